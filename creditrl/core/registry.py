@@ -1,0 +1,44 @@
+"""A small name -> function registry, so algorithms are selectable by name from config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    """Maps names (and aliases) to functions; ``get`` names the known choices on a miss."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, F] = {}
+
+    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` and each alias."""
+
+        def wrap(fn: F) -> F:
+            for key in (name, *aliases):
+                if key in self._items and self._items[key] is not fn:
+                    raise ValueError(f"{self.kind} {key!r} is already registered")
+                self._items[key] = fn
+            return fn
+
+        return wrap
+
+    def get(self, name: str) -> F:
+        """The function registered as ``name``; KeyError listing the choices otherwise."""
+        try:
+            return self._items[name]
+        except KeyError:
+            raise KeyError(
+                f"unknown {self.kind} {name!r}; choose one of {sorted(self._items)}"
+            ) from None
+
+    def names(self) -> list[str]:
+        """All registered names and aliases, sorted."""
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
