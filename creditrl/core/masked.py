@@ -34,7 +34,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     n = m.sum()
     if unbiased and n < 2:
         raise ValueError(
-            f"masked_var needs at least 2 valid entries for an unbiased variance, got {int(n.item())}"
+            "masked_var needs at least 2 valid entries for an unbiased variance, "
+            f"got {int(n.item())}"
         )
     mean = masked_sum(values, m) / n.clamp(min=1.0)
     sq = masked_sum((values - mean) ** 2, m)

@@ -1,0 +1,143 @@
+"""KL estimators between the policy and the reference, per token, and KL coefficient controllers.
+
+Index convention: ``logprob[:, j]`` = log pi(y_{j+1} | s_{j+1}) and ``ref_logprob[:, j]`` =
+log pi_ref(y_{j+1} | s_{j+1}); every estimator returns kl_j for the same step t = j + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from creditrl.core.registry import Registry
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "get_kl_controller",
+    "kl_penalty",
+]
+
+KLFn = Callable[..., torch.Tensor]
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+
+
+@KL_ESTIMATORS.register("k1", "kl")
+def _k1(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
+    """k1_t = log pi(a_t|s_t) - log pi_ref(a_t|s_t): unbiased, can be negative."""
+    return logprob - ref_logprob
+
+
+@KL_ESTIMATORS.register("abs")
+def _abs(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
+    """|log pi - log pi_ref|."""
+    return (logprob - ref_logprob).abs()
+
+
+@KL_ESTIMATORS.register("k2", "mse")
+def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
+    """k2_t = 0.5 * (log pi - log pi_ref)^2."""
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
+    """k3_t = exp(x) - x - 1 with x = log pi_ref - log pi (Schulman's low-variance estimator).
+
+    x is clamped to [-20, 20] before exp and the result to [-10, 10], for stability.
+    """
+    x = (ref_logprob - logprob).clamp(-20.0, 20.0)
+    return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
+
+
+@KL_ESTIMATORS.register("full")
+def _full(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    *,
+    logits: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
+    **_: object,
+) -> torch.Tensor:
+    """KL(pi(.|s_t) || pi_ref(.|s_t)) = sum_v p_v (log p_v - log q_v), from logits (B, T, V)."""
+    if logits is None or ref_logits is None:
+        raise ValueError("kl_penalty='full' needs logits and ref_logits of shape (B, T, V)")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    logq = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1).to(logprob.dtype)
+
+
+def kl_penalty(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    kl_penalty: str = "k1",
+    *,
+    logits: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate kl_t (B, T) by estimator name (verl's ``kl_penalty``).
+
+    Names: ``k1``/``kl``, ``abs``, ``k2``/``mse``, ``k3``/``low_var_kl``, ``full``. A trailing
+    ``+`` (``k1+``, ``k3+``, ...) is the straight-through variant: its value is the named
+    estimator's, its gradient is k2's: k2 + sg(named - k2). Masking is the caller's.
+    """
+    straight_through = kl_penalty.endswith("+")
+    name = kl_penalty[:-1] if straight_through else kl_penalty
+    value = KL_ESTIMATORS.get(name)(logprob, ref_logprob, logits=logits, ref_logits=ref_logits)
+    if not straight_through:
+        return value
+    k2 = _k2(logprob, ref_logprob)
+    return k2 + (value - k2).detach()
+
+
+@dataclass
+class FixedKLController:
+    """beta stays at ``kl_coef``."""
+
+    kl_coef: float
+
+    @property
+    def value(self) -> float:
+        return self.kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+
+@dataclass
+class AdaptiveKLController:
+    """Ziegler et al. (2019): e = clip(kl / target - 1, -0.2, 0.2); beta <- beta (1 + e n / H)."""
+
+    init_kl_coef: float
+    target_kl: float
+    horizon: float
+
+    def __post_init__(self) -> None:
+        if self.target_kl <= 0 or self.horizon <= 0:
+            raise ValueError(
+                f"adaptive KL needs target_kl > 0 and horizon > 0, got {self.target_kl}, "
+                f"{self.horizon}"
+            )
+        self.value = float(self.init_kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move beta toward the target: n_steps samples were seen at mean KL ``current_kl``."""
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def get_kl_controller(
+    kl_ctrl_type: str = "fixed",
+    kl_coef: float = 0.001,
+    target_kl: float = 0.1,
+    horizon: float = 10000,
+) -> FixedKLController | AdaptiveKLController:
+    """The controller named ``fixed`` or ``adaptive`` (verl's ``algorithm.kl_ctrl.type``)."""
+    if kl_ctrl_type == "fixed":
+        return FixedKLController(kl_coef)
+    if kl_ctrl_type == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown kl_ctrl type {kl_ctrl_type!r}; choose 'fixed' or 'adaptive'")
