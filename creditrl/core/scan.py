@@ -9,6 +9,8 @@ float64 tensors for float64 accuracy); its rounding error is of the same order a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,7 @@ def uncompact(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return y.gather(1, slot) * m
 
 
+@functools.lru_cache(maxsize=64)
 def _decay_matrix(c: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """M (n, n) with M[k, t] = c^(k-t) for k >= t, else 0: (x @ M)_t = sum_{k>=t} c^(k-t) x_k."""
     idx = torch.arange(n, device=device)
@@ -50,6 +53,13 @@ def _decay_matrix(c: float, n: int, dtype: torch.dtype, device: torch.device) ->
         power >= 0, torch.pow(torch.tensor(c, dtype=torch.float64), power.clamp(min=0)), 0.0
     )
     return decay.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _carry_weights(c: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """w (n,) with w[t] = c^(n-t): the weight of the next block's first value at column t."""
+    offsets = torch.arange(n, 0, -1, device=device, dtype=torch.float64)
+    return torch.pow(torch.tensor(c, dtype=torch.float64), offsets).to(dtype)
 
 
 def discounted_suffix_sum(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -63,11 +73,9 @@ def discounted_suffix_sum(x: torch.Tensor, c: float) -> torch.Tensor:
         return x.clone()
     block = min(_BLOCK, length)
     n_blocks = -(-length // block)
-    padded = F.pad(x, (0, n_blocks * block - length)).view(batch, n_blocks, block)
-    local = padded @ _decay_matrix(c, block, x.dtype, x.device)
+    padded = x if n_blocks * block == length else F.pad(x, (0, n_blocks * block - length))
+    local = padded.reshape(batch, n_blocks, block) @ _decay_matrix(c, block, x.dtype, x.device)
     heads = local[:, :, 0] @ _decay_matrix(c**block, n_blocks, x.dtype, x.device)
     carry = F.pad(heads[:, 1:], (0, 1))
-    offsets = torch.arange(block, 0, -1, device=x.device, dtype=torch.float64)
-    weights = torch.pow(torch.tensor(c, dtype=torch.float64), offsets).to(x.dtype)
-    y = torch.addcmul(local, carry.unsqueeze(-1), weights)
-    return y.reshape(batch, -1)[:, :length]
+    local.addcmul_(carry.unsqueeze(-1), _carry_weights(c, block, x.dtype, x.device))
+    return local.reshape(batch, -1)[:, :length]

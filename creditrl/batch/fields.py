@@ -1,0 +1,224 @@
+"""The field catalogue: every standard Batch key, its shape, dtype, meaning and writer.
+
+Shapes: B = batch size, P = prompt length (left-padded), T = response length (right-padded),
+P+T = the full sequence. Index convention (ARCHITECTURE.md, spec 000): response column j is
+step t = j + 1; ``log_probs[:, j] = log π(y_{j+1} | s_{j+1})`` taken from
+``logits[:, -T-1:-1]`` of the full sequence, and ``values[:, j] = V(s_{j+1})``, the value of the
+state before token y_{j+1} is chosen. Fields with dtype "object" are non-tensors (one Python
+value per sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from creditrl.batch.batch import Batch
+
+__all__ = ["FIELDS", "FieldSpec", "describe", "require"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One catalogue entry."""
+
+    name: str
+    shape: str
+    dtype: str
+    meaning: str
+    written_by: str
+
+    def line(self) -> str:
+        """The one-line description used in error messages."""
+        return (
+            f"{self.name} {self.shape} {self.dtype}: {self.meaning} [written by {self.written_by}]"
+        )
+
+
+_TOK = "log π(y_{j+1} | s_{j+1}) at column j, from logits[:, -T-1:-1]"
+
+# fmt: off
+_SPECS = [
+    FieldSpec(
+        "input_ids", "(B, P+T)", "int64",
+        "full sequence token ids, prompt left-padded then response right-padded "
+        "(before rollout: the prompt alone, (B, P))",
+        "data loader; rollout",
+    ),
+    FieldSpec(
+        "attention_mask", "(B, P+T)", "int64",
+        "1 on every real token of prompt+response, 0 on padding (before rollout: (B, P))",
+        "data loader; rollout",
+    ),
+    FieldSpec(
+        "position_ids", "(B, P+T)", "int64",
+        "position of each token for the model forward (cumsum of attention_mask - 1)",
+        "data loader; rollout",
+    ),
+    FieldSpec("prompts", "(B, P)", "int64", "prompt token ids, left-padded", "rollout"),
+    FieldSpec(
+        "responses", "(B, T)", "int64",
+        "response token ids y_1..y_T, right-padded; multi-turn: includes appended observation "
+        "tokens (response_mask 0)",
+        "rollout",
+    ),
+    FieldSpec(
+        "response_mask", "(B, T)", "int64",
+        "1 on policy-generated tokens incl. EOS; 0 on padding and observation/tool tokens "
+        "(spec 001 loss_mask)",
+        "rollout; agent loop",
+    ),
+    FieldSpec(
+        "turn_ids", "(B, T)", "int64",
+        "turn number (1-based) of each response token, 0 on padding (spec 001 "
+        "turn_sequence_tensor)",
+        "agent loop",
+    ),
+    FieldSpec(
+        "num_turns", "(B,)", "int64", "number of assistant turns in the trajectory", "agent loop"
+    ),
+    FieldSpec(
+        "rollout_log_probs", "(B, T)", "float32",
+        f"{_TOK}, under the sampling engine's policy", "rollout",
+    ),
+    FieldSpec(
+        "old_log_probs", "(B, T)", "float32",
+        f"{_TOK}, under the actor before this update (π_old)", "actor.compute_log_prob",
+    ),
+    FieldSpec(
+        "ref_log_prob", "(B, T)", "float32",
+        f"{_TOK}, under the frozen reference policy", "ref.compute_log_prob",
+    ),
+    FieldSpec(
+        "entropys", "(B, T)", "float32",
+        "entropy of π_old(· | s_{j+1}) at column j", "actor.compute_log_prob",
+    ),
+    FieldSpec(
+        "values", "(B, T)", "float32",
+        "V(s_{j+1}) at column j: value of the state before y_{j+1} is chosen, from "
+        "critic output at logits[:, -T-1:-1]",
+        "critic.compute_values",
+    ),
+    FieldSpec(
+        "rm_scores", "(B, T)", "float32",
+        "reward-model score placed on the last valid response token, 0 elsewhere",
+        "reward model worker",
+    ),
+    FieldSpec(
+        "token_level_scores", "(B, T)", "float32",
+        "task reward for the transition made by a_t; outcome reward on the last valid token",
+        "reward manager",
+    ),
+    FieldSpec(
+        "token_level_rewards", "(B, T)", "float32",
+        "(token_level_scores - β·kl_j) * response_mask when KL is in the reward, else the scores",
+        "core: kl penalty",
+    ),
+    FieldSpec(
+        "advantages", "(B, T)", "float32",
+        "advantage A_t at column j = t - 1 (whitened for GAE), 0 where response_mask is 0",
+        "core: advantage estimator",
+    ),
+    FieldSpec(
+        "returns", "(B, T)", "float32",
+        "critic targets: raw A + V (GAE) or the estimator's returns",
+        "core: advantage estimator",
+    ),
+    FieldSpec(
+        "reward_baselines", "(B,)", "float32",
+        "per-sample baseline reward (ReMax: score of the greedy response)",
+        "reward manager (ReMax)",
+    ),
+    FieldSpec(
+        "rollout_is_weights", "(B, T)", "float32",
+        "truncated importance weights π_old / π_rollout per token, 0 where response_mask is 0",
+        "core: rollout importance weights",
+    ),
+    FieldSpec(
+        "uid", "(B,)", "object[str]",
+        "prompt group id; samples of the same prompt share it (GRPO/RLOO grouping)",
+        "trainer (before repeat)",
+    ),
+    FieldSpec(
+        "data_source", "(B,)", "object[str]",
+        "dataset/task name; selects the reward function", "data loader",
+    ),
+    FieldSpec(
+        "ground_truth", "(B,)", "object", "reference answer for rule-based rewards", "data loader"
+    ),
+    FieldSpec(
+        "extra_info", "(B,)", "object[dict]",
+        "dataset-provided per-sample info (index, split, tool kwargs)", "data loader",
+    ),
+    FieldSpec(
+        "reward_extra_info", "(B,)", "object[dict]",
+        "reward manager's per-sample extras (sub-scores, parse results), logged as metrics",
+        "reward manager",
+    ),
+    FieldSpec(
+        "structured_rewards", "(B,)", "object[dict]",
+        'spec 001 per-sample {"turn_rewards": {turn: r}, "global_rewards": {name: r}}',
+        "reward manager (structured multi-turn)",
+    ),
+    FieldSpec(
+        "raw_prompt", "(B,)", "object[list[dict]]",
+        "prompt chat messages as text (logs, rewards, humans; never re-encoded for training)",
+        "data loader",
+    ),
+    FieldSpec(
+        "messages", "(B,)", "object[list[dict]]",
+        "full conversation as text after the rollout (logs, rewards, humans)",
+        "rollout; agent loop",
+    ),
+]
+# fmt: on
+
+FIELDS: dict[str, FieldSpec] = {s.name: s for s in _SPECS}
+
+
+def describe(name: str) -> str:
+    """One catalogue line for ``name``; KeyError if it is not catalogued."""
+    if name not in FIELDS:
+        raise KeyError(f"{name!r} is not in the field catalogue (creditrl.batch.FIELDS)")
+    return FIELDS[name].line()
+
+
+def _check_shape(batch: Batch, name: str) -> None:
+    spec = FIELDS.get(name)
+    tensor = batch.tensors.get(name, None)
+    if spec is None or tensor is None:
+        return
+    shape = tuple(tensor.shape)
+    responses = batch.tensors.get("responses", None)
+    prompts = batch.tensors.get("prompts", None)
+    if spec.shape == "(B,)":
+        expected: tuple[int, ...] = (len(batch),)
+        ok = len(shape) == 1
+    elif spec.shape == "(B, T)" and responses is not None:
+        expected = tuple(responses.shape)
+        ok = shape == expected
+    elif spec.shape == "(B, P+T)" and responses is not None and prompts is not None:
+        expected = (len(batch), prompts.shape[-1] + responses.shape[-1])
+        ok = len(shape) >= 2 and shape[-1] == expected[-1]
+    else:
+        return
+    if not ok:
+        raise ValueError(
+            f"field {name!r} has shape {shape}, expected {spec.shape} = {expected}; "
+            f"catalogue: {spec.line()}"
+        )
+
+
+def require(batch: Batch, *names: str) -> None:
+    """Check that ``batch`` holds ``names`` with catalogue-consistent shapes.
+
+    Raises KeyError naming a missing field (with its catalogue line), and ValueError when a
+    catalogued tensor's shape contradicts the catalogue: (B, T) fields must match ``responses``,
+    (B, P+T) fields must end in prompts' P + responses' T, (B,) fields must be 1-D.
+    """
+    for name in names:
+        if name not in batch:
+            line = FIELDS[name].line() if name in FIELDS else "not in the field catalogue"
+            raise KeyError(f"batch is missing required field {name!r}; catalogue: {line}")
+        _check_shape(batch, name)

@@ -1,0 +1,1 @@
+"""Views that show every token's quantities (explain tables; more to come)."""
