@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_core.py --tuned-malloc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,13 +1,21 @@
 """Time the token-level core: blocked GAE vs the plain reverse loop, and the group estimators.
 
-Run: .venv/bin/python benchmarks/bench_core.py   (or `make bench`)
-Prints median wall times over repeats, the GAE speed ratio, and the largest difference between
-the two GAE implementations (advantages and returns; float32 inputs as in training, and float64).
+Run: .venv/bin/python benchmarks/bench_core.py [--tuned-malloc]   (or `make bench`)
+
+``--tuned-malloc`` raises glibc's mmap and trim thresholds first, so freed buffers are reused
+instead of being handed back to the OS and faulted in again (what jemalloc or tcmalloc give, as
+PyTorch's CPU tuning guide suggests). On this machine a fresh (512, 2048) buffer costs about as
+much as the arithmetic of the blocked GAE, so both settings are worth reading.
+Prints median wall times over repeats, the GAE speed ratio, and the largest differences between
+the two GAE implementations: in float64 (both exact to rounding), in float32 (as in training),
+and of each float32 result against the float64 one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,11 +28,13 @@ from creditrl.core.reference import gae_reverse_loop
 
 SHAPES = [(512, 2048), (64, 256)]
 GROUP_SIZE = 8
+ROUNDS = 5
 GROUP_ESTIMATORS = ["grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"]
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
+    for _ in range(3):  # warm-up: the allocator settles after the first calls
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -60,27 +70,37 @@ def grpo_python_loop(rewards: torch.Tensor, mask: torch.Tensor, uids: np.ndarray
     return out.unsqueeze(-1) * mask
 
 
+def max_diff(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
 def bench_gae(b: int, t: int) -> None:
-    repeats = 7 if b * t > 100_000 else 25
     rewards, values, mask, _ = make_batch(b, t, torch.float32)
-    fast_ms = median_ms(
-        lambda: compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95), repeats
-    )
-    loop_ms = median_ms(lambda: gae_reverse_loop(rewards, values, mask, 1.0, 0.95), repeats)
-    diffs = []
-    for dtype in (torch.float32, torch.float64):
-        r, v, m, _ = make_batch(b, t, dtype)
-        for whiten in (False, True):
-            fa, fr = compute_gae_advantage_return(r, v, m, 1.0, 0.95, whiten=whiten)
-            la, lr = gae_reverse_loop(r, v, m, 1.0, 0.95, whiten=whiten)
-            diffs.append(max((fa - la).abs().max().item(), (fr - lr).abs().max().item()))
+    fast, loop = [], []
+    for _ in range(ROUNDS):  # interleaved, so both see the same machine state
+        fast.append(
+            median_ms(lambda: compute_gae_advantage_return(rewards, values, mask, 1, 0.95), 9)
+        )
+        loop.append(median_ms(lambda: gae_reverse_loop(rewards, values, mask, 1.0, 0.95), 3))
+    ratios = sorted(lo / fa for lo, fa in zip(loop, fast, strict=True))
     print(
-        f"GAE ({b}, {t}): blocked {fast_ms:8.2f} ms | reverse loop {loop_ms:8.2f} ms | "
-        f"speed-up {loop_ms / fast_ms:6.1f}x | max |diff| float32 raw {diffs[0]:.1e}, "
-        f"whitened {diffs[1]:.1e}; float64 raw {diffs[2]:.1e}, whitened {diffs[3]:.1e}"
+        f"GAE ({b}, {t}): blocked {statistics.median(fast):7.2f} ms | reverse loop "
+        f"{statistics.median(loop):7.2f} ms | speed-up median {statistics.median(ratios):5.1f}x "
+        f"(range {ratios[0]:.1f}-{ratios[-1]:.1f}x over {ROUNDS} rounds)"
     )
-    ok = diffs[0] <= 1e-6 and diffs[2] <= 1e-12
-    print(f"    equal to 1e-6 (float32) and 1e-12 (float64): {'yes' if ok else 'NO'}")
+    for whiten in (False, True):
+        r64, v64, m64 = rewards.double(), values.double(), mask.double()
+        truth = gae_reverse_loop(r64, v64, m64, 1.0, 0.95, whiten=whiten)
+        fast64 = compute_gae_advantage_return(r64, v64, m64, 1.0, 0.95, whiten=whiten)
+        fast32 = compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95, whiten=whiten)
+        loop32 = gae_reverse_loop(rewards, values, mask, 1.0, 0.95, whiten=whiten)
+        label = "whitened advantages" if whiten else "raw advantages"
+        print(
+            f"    {label} + returns, max |diff|: blocked vs loop float64 "
+            f"{max_diff(fast64, truth):.1e}, float32 {max_diff(fast32, loop32):.1e}; "
+            f"float32 vs float64 truth: blocked {max_diff(fast32, truth):.1e}, "
+            f"loop {max_diff(loop32, truth):.1e}"
+        )
 
 
 def bench_groups(b: int, t: int) -> None:
@@ -96,8 +116,19 @@ def bench_groups(b: int, t: int) -> None:
     print(f"    grpo as a Python loop over samples: {loop_ms:.2f} ms (max |diff| {diff:.1e})")
 
 
+def tune_malloc() -> None:
+    """mallopt(M_TRIM_THRESHOLD, 1 GiB) and mallopt(M_MMAP_THRESHOLD, 256 MiB) on glibc."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-1, 1 << 30)
+    libc.mallopt(-3, 1 << 28)
+
+
 def main() -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    tuned = "--tuned-malloc" in sys.argv[1:]
+    if tuned:
+        tune_malloc()
+    malloc = "tuned glibc malloc" if tuned else "default glibc malloc"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {malloc}")
     for b, t in SHAPES:
         bench_gae(b, t)
     for b, t in SHAPES:

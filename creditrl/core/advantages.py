@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from creditrl.core.masked import masked_whiten
+from creditrl.core.masked import masked_whiten, row_blocks
 from creditrl.core.registry import Registry
 from creditrl.core.scan import compact, discounted_suffix_sum, is_right_padded, uncompact
 
@@ -98,20 +99,32 @@ def compute_gae_advantage_return(
     Steps with mask 0 (observations) are skipped: the step after a model token is the next
     model token, so GAE across a masked span equals GAE with the span removed.
     """
-    mask = response_mask.to(token_level_rewards.dtype)
+    mask = response_mask
     if is_right_padded(mask):
-        rewards, vals, valid = token_level_rewards * mask, values * mask, mask
+        adv, returns = _gae_raw(token_level_rewards, values, mask, gamma, lam)
     else:
-        rewards, vals = compact(token_level_rewards, mask), compact(values, mask)
+        mask = mask.to(token_level_rewards.dtype)
         valid = compact(mask, mask)
-    # In-place steps: on this machine a fresh (512, 2048) buffer costs more than the math.
-    deltas = torch.nn.functional.pad(vals[:, 1:], (0, 1)).mul_(gamma).add_(rewards).sub_(vals)
-    adv = discounted_suffix_sum(deltas.mul_(valid), gamma * lam).mul_(valid)
-    returns = vals.add(adv)
-    if valid is not mask:
+        adv, returns = _gae_raw(
+            compact(token_level_rewards, mask), compact(values, mask), valid, gamma, lam
+        )
         adv, returns = uncompact(adv, mask), uncompact(returns, mask)
     if whiten:
-        adv = masked_whiten(adv, mask) * mask
+        masked_whiten(adv, mask, inplace=True).mul_(mask)
+    return adv, returns
+
+
+def _gae_raw(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GAE on right-padded rows, by row blocks with in-place steps (see row_blocks)."""
+    adv, returns = torch.empty_like(rewards), torch.empty_like(rewards)
+    for rows in row_blocks(*rewards.shape):
+        m = mask[rows].to(rewards.dtype)
+        vals = values[rows] * m
+        deltas = F.pad(vals[:, 1:], (0, 1)).mul_(gamma).add_(rewards[rows]).sub_(vals).mul_(m)
+        block = discounted_suffix_sum(deltas, gamma * lam, out=adv[rows]).mul_(m)
+        torch.add(vals, block, out=returns[rows])
     return adv, returns
 
 

@@ -7,9 +7,11 @@ time step t = j + 1 (see ARCHITECTURE.md); masks say which steps exist.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
+__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten", "row_blocks"]
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -42,26 +44,45 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sq / (n - 1) if unbiased else sq / n.clamp(min=1.0)
 
 
+def row_blocks(n_rows: int, n_cols: int, elements: int = 262144) -> list[slice]:
+    """Row slices of about ``elements`` entries each. Processing a (512, 2048) tensor in such
+    blocks keeps temporaries small and cache-resident; on this machine a fresh full-size
+    buffer costs more than the arithmetic on it (measured by benchmarks/bench_core.py)."""
+    rows = max(1, elements // max(n_cols, 1))
+    return [slice(i, i + rows) for i in range(0, n_rows, rows)]
+
+
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    *,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Whiten over valid entries: (x - mean) / sqrt(var + eps), var unbiased.
 
-    With ``shift_mean=False`` the mean is added back: x' = (x - mean) * rsqrt(var + eps) + mean
-    (the scale changes, the centre does not). Entries where mask is 0 are returned as computed
-    (callers multiply by the mask). Raises ValueError with fewer than two valid entries.
+    mean and var are taken over entries with mask 1 only (two passes, block sums in float64). With
+    ``shift_mean=False`` the mean is added back: (x - mean) * rsqrt(var + eps) + mean.
+    Entries where mask is 0 are returned as computed (callers multiply by the mask).
+    ``inplace=True`` overwrites ``values``. Raises ValueError with fewer than two valid entries.
     """
-    m = mask.to(values.dtype).reshape(-1)
-    n = m.sum()
+    x2, m2 = values.reshape(-1, values.shape[-1]), mask.reshape(-1, values.shape[-1])
+    blocks = [
+        (x2[b].reshape(-1), m2[b].reshape(-1).to(values.dtype)) for b in row_blocks(*x2.shape)
+    ]
+    n = sum(float(m.sum()) for _, m in blocks)
     if n < 2:
         raise ValueError(
-            f"masked_whiten needs at least 2 valid tokens, got {int(n.item())}: "
+            f"masked_whiten needs at least 2 valid tokens, got {int(n)}: "
             "a single token has no spread to normalise by"
         )
-    # Dot products instead of masked temporaries: fewer large buffers (bench_core.py).
-    mean = torch.dot(values.reshape(-1), m) / n
-    centred = values - mean
-    flat = centred.reshape(-1)
-    var = torch.dot(flat * m, flat) / (n - 1)
-    whitened = centred.mul_(torch.rsqrt(var + eps))
-    return whitened if shift_mean else whitened.add_(mean)
+    mean = sum(float(torch.dot(x, m)) for x, m in blocks) / n
+    sq = 0.0
+    for x, m in blocks:
+        centred = x - mean
+        sq += float(torch.dot(centred * m, centred))
+    rstd = 1.0 / math.sqrt(sq / (n - 1) + eps)
+    out = values if inplace else values.clone()
+    out.sub_(mean).mul_(rstd)
+    return out if shift_mean else out.add_(mean)

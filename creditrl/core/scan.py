@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from creditrl.core.masked import row_blocks
+
 __all__ = ["compact", "discounted_suffix_sum", "is_right_padded", "uncompact"]
 
 _BLOCK = 32
@@ -21,8 +23,9 @@ _BLOCK = 32
 
 def is_right_padded(mask: torch.Tensor) -> bool:
     """True when every row of ``mask`` is ones then zeros (no holes inside a response)."""
-    m = mask.bool()
-    return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
+    if mask.shape[1] < 2:
+        return True
+    return not any(bool((mask[b, 1:] > mask[b, :-1]).any()) for b in row_blocks(*mask.shape))
 
 
 def compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -62,11 +65,14 @@ def _carry_weights(c: float, n: int, dtype: torch.dtype, device: torch.device) -
     return torch.pow(torch.tensor(c, dtype=torch.float64), offsets).to(dtype)
 
 
-def discounted_suffix_sum(x: torch.Tensor, c: float) -> torch.Tensor:
+def discounted_suffix_sum(
+    x: torch.Tensor, c: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """y_t = sum_{k=t}^{T} c^(k-t) x_k along the last dim, i.e. y_t = x_t + c y_{t+1}, y_{T+1} = 0.
 
     Blocked: within each block of 32 columns y is one matmul with the block's decay matrix;
     the value at each block's first column is carried across blocks by a second, small matmul.
+    ``out`` (same shape as x), when given, receives y.
     """
     batch, length = x.shape
     if length == 0:
@@ -74,8 +80,19 @@ def discounted_suffix_sum(x: torch.Tensor, c: float) -> torch.Tensor:
     block = min(_BLOCK, length)
     n_blocks = -(-length // block)
     padded = x if n_blocks * block == length else F.pad(x, (0, n_blocks * block - length))
-    local = padded.reshape(batch, n_blocks, block) @ _decay_matrix(c, block, x.dtype, x.device)
+    decay = _decay_matrix(c, block, x.dtype, x.device)
+    if out is not None and padded is x and out.is_contiguous():
+        local = torch.matmul(
+            x.reshape(batch, n_blocks, block), decay, out=out.view(batch, n_blocks, block)
+        )
+    else:
+        local = padded.reshape(batch, n_blocks, block) @ decay
     heads = local[:, :, 0] @ _decay_matrix(c**block, n_blocks, x.dtype, x.device)
     carry = F.pad(heads[:, 1:], (0, 1))
     local.addcmul_(carry.unsqueeze(-1), _carry_weights(c, block, x.dtype, x.device))
-    return local.reshape(batch, -1)[:, :length]
+    y = local.reshape(batch, -1)[:, :length]
+    if out is None:
+        return y
+    if y.data_ptr() != out.data_ptr():
+        out.copy_(y)
+    return out
