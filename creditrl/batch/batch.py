@@ -150,6 +150,12 @@ class Batch:
     def __contains__(self, key: object) -> bool:
         return key in self.non_tensors or key in self.tensors
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key`` if present, else ``default``."""
+        if key in self.non_tensors:
+            return self.non_tensors[key]
+        return self.tensors.get(key, default)
+
     def _missing(self, key: str) -> KeyError:
         return KeyError(f"batch has no field {key!r} (fields: {self.keys()}){_catalogue_note(key)}")
 

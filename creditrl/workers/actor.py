@@ -1,0 +1,157 @@
+"""The actor (and the reference): per-token log-probs, and PPO-style policy updates."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from creditrl.batch import Batch, require
+from creditrl.config import ActorConfig
+from creditrl.core import (
+    PolicyLossConfig,
+    agg_loss,
+    get_policy_loss,
+    global_normalisers,
+    kl_penalty,
+)
+from creditrl.workers.forward import policy_forward, split_indices
+from creditrl.workers.optim import build_optimizer
+
+__all__ = ["ActorWorker"]
+
+
+class ActorWorker:
+    """Holds a causal LM; ``compute_log_prob`` for old/reference log-probs, ``update_policy``
+    for PPO epochs over shuffled mini-batches with gradient accumulation over micro-batches.
+
+    Losses of the micro-batches of one mini-batch use that mini-batch's token and sequence
+    counts (core ``global_normalisers``) and are summed, so the accumulated gradient equals
+    the mini-batch's full gradient for every aggregation mode.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ActorConfig,
+        *,
+        total_optimizer_steps: int = 1,
+        trainable: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer, self.scheduler = build_optimizer(
+                list(model.parameters()), cfg.optim, total_optimizer_steps
+            )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.loss_cfg = PolicyLossConfig(
+            clip_ratio=cfg.clip_ratio,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            tau_pos=cfg.tau_pos,
+            tau_neg=cfg.tau_neg,
+        )
+        get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs (B, T), entropys (B, T) or None) of ``responses``, micro-batched."""
+        require(batch, "input_ids", "attention_mask", "position_ids", "responses")
+        self.model.eval()
+        order = torch.arange(len(batch))
+        parts = [
+            policy_forward(self.model, batch[idx], temperature, with_entropy)
+            for idx in split_indices(order, self.cfg.log_prob_micro_batch_size)
+        ]
+        log_probs = torch.cat([p[0] for p in parts]).float()
+        entropy = torch.cat([p[1] for p in parts]).float() if with_entropy else None
+        return log_probs, entropy
+
+    def update_policy(
+        self, batch: Batch, temperature: float, n_per_prompt: int
+    ) -> dict[str, float]:
+        """PPO epochs over ``batch``; returns verl-named metrics averaged over optimizer steps."""
+        if self.optimizer is None:
+            raise RuntimeError("this ActorWorker was built with trainable=False")
+        need = ["responses", "response_mask", "old_log_probs", "advantages"]
+        if self.cfg.use_kl_loss:
+            need.append("ref_log_prob")
+        require(batch, "input_ids", "attention_mask", "position_ids", *need)
+        loss_fn = get_policy_loss(self.cfg.policy_loss)
+        mini_size = self.cfg.ppo_mini_batch_size * n_per_prompt
+        sums: dict[str, float] = defaultdict(float)
+        n_steps = 0
+        self.model.train()
+        for _ in range(self.cfg.ppo_epochs):
+            order = (
+                torch.randperm(len(batch), generator=self.generator)
+                if self.cfg.shuffle
+                else torch.arange(len(batch))
+            )
+            for mini_idx in split_indices(order, mini_size):
+                step_metrics = self._optimizer_step(batch[mini_idx], loss_fn, temperature)
+                for key, value in step_metrics.items():
+                    sums[key] += value
+                n_steps += 1
+        return {key: value / max(n_steps, 1) for key, value in sums.items()}
+
+    def _optimizer_step(self, mini: Batch, loss_fn, temperature: float) -> dict[str, float]:
+        """One optimizer step over a mini-batch, accumulating micro-batch gradients."""
+        cfg = self.cfg
+        mask = mini["response_mask"]
+        norms = global_normalisers(mask)
+        agg = {**norms, "loss_scale_factor": cfg.loss_scale_factor}
+        total_tokens = max(norms["global_num_tokens"], 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = defaultdict(float)
+        for idx in split_indices(torch.arange(len(mini)), cfg.ppo_micro_batch_size):
+            micro = mini[idx]
+            m = micro["response_mask"]
+            share = float(m.sum()) / total_tokens
+            log_prob, entropy = policy_forward(
+                self.model, micro, temperature, with_entropy=cfg.entropy_coeff != 0
+            )
+            weights = micro.get("rollout_is_weights", None)
+            pg_loss, pg_metrics = loss_fn(
+                micro["old_log_probs"],
+                log_prob,
+                micro["advantages"],
+                m,
+                cfg.loss_agg_mode,
+                self.loss_cfg,
+                weights,
+                **agg,
+            )
+            loss = pg_loss
+            if entropy is not None:
+                entropy_loss = agg_loss(entropy, m, cfg.loss_agg_mode, **agg)
+                loss = loss - cfg.entropy_coeff * entropy_loss
+                metrics["actor/entropy"] += float(entropy_loss)
+            if cfg.use_kl_loss:
+                kld = kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kld, m, cfg.loss_agg_mode, **agg)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics["actor/kl_loss"] += float(kl_loss)
+                metrics["actor/kl_coef"] = cfg.kl_loss_coef
+            loss.backward()
+            metrics["actor/pg_loss"] += float(pg_loss)
+            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                metrics[f"actor/{key}"] += float(pg_metrics[key]) * share
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        metrics["actor/grad_norm"] = grad_norm
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            metrics["actor/skipped_steps"] = 1.0
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
