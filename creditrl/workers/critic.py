@@ -98,7 +98,7 @@ class CriticWorker:
             )
             vf_loss.backward()
             share = float(mask.sum()) / total_tokens
-            metrics["critic/vf_loss"] += float(vf_loss)
+            metrics["critic/vf_loss"] += float(vf_loss.detach())
             metrics["critic/vf_clipfrac"] += float(vf_clipfrac) * share
             metrics["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * share
         params = [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -1,0 +1,111 @@
+"""PromptDataset: prompt rows with the chat template applied once, as token ids."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from creditrl.batch import Batch
+from creditrl.data.collate import collate_prompts
+from creditrl.data.rows import PromptRow
+
+__all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids"]
+
+logger = logging.getLogger(__name__)
+
+OVERLONG_MODES = ("drop", "raise")
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, ending with the
+    generation prompt (``add_generation_prompt=True``)."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+class PromptDataset:
+    """Rows ready for rollout. Each item is a dict:
+
+    ``input_ids`` (list[int], the chat-templated prompt), ``raw_prompt`` (the messages),
+    ``ground_truth``, ``data_source``, ``extra_info`` (the row's extra plus ``split``),
+    ``index`` (position in this dataset) and ``source`` (file and row, for humans).
+
+    Prompts longer than ``max_prompt_length`` tokens are dropped and counted
+    (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise ValueError
+    naming the row. ``num_dropped_overlap`` counts task rows dropped for repeating validation.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[PromptRow],
+        tokenizer: Any,
+        max_prompt_length: int,
+        overlong_prompt: str = "drop",
+        split: str = "train",
+    ) -> None:
+        if overlong_prompt not in OVERLONG_MODES:
+            raise ValueError(
+                f"overlong_prompt must be one of {OVERLONG_MODES}, got {overlong_prompt!r}"
+            )
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; prompts need one")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id: int = tokenizer.eos_token_id if pad is None else pad
+        self.split = split
+        self.max_prompt_length = max_prompt_length
+        self.num_dropped_overlong = 0
+        self.num_dropped_overlap = 0
+        self._rows: list[dict[str, Any]] = []
+        for row in rows:
+            try:
+                ids = chat_prompt_ids(tokenizer, row.messages)
+            except Exception as e:
+                raise ValueError(f"{row.source}: the chat template failed: {e}") from e
+            if len(ids) > max_prompt_length:
+                if overlong_prompt == "raise":
+                    raise ValueError(
+                        f"{row.source}: prompt has {len(ids)} tokens after the chat template, "
+                        f"more than max_prompt_length={max_prompt_length}"
+                    )
+                self.num_dropped_overlong += 1
+                continue
+            self._rows.append(
+                {
+                    "input_ids": ids,
+                    "raw_prompt": row.messages,
+                    "ground_truth": row.ground_truth,
+                    "data_source": row.data_source,
+                    "extra_info": {"split": split, **row.extra},
+                    "index": len(self._rows),
+                    "source": row.source,
+                }
+            )
+        if self.num_dropped_overlong:
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
+                split,
+                self.num_dropped_overlong,
+                len(rows),
+                max_prompt_length,
+            )
+        if not self._rows:
+            raise ValueError(f"{split}: no prompts left (of {len(rows)}) after dropping")
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """A copy of row ``index`` (safe to mutate)."""
+        return copy.deepcopy(self._rows[index])
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        """The prompt Batch of rows ``indices`` (``collate_prompts`` with this pad id)."""
+        return collate_prompts([self[i] for i in indices], self.pad_token_id)

@@ -1,0 +1,158 @@
+"""Prompt rows from jsonl and parquet files, validated with errors that name the file and row.
+
+A row holds ``prompt`` (text) or ``messages`` (a chat list of ``{"role", "content"}``), plus
+``ground_truth`` (any JSON value, null allowed), ``data_source`` (str) and optional ``extra``
+(dict). verl-style rows are accepted too: ``prompt`` given as a chat list, ``extra_info`` for
+``extra``, ``reward_model.ground_truth`` for ``ground_truth``. Other keys are ignored.
+Rows are numbered from 1; in a jsonl file the row number is the line number (blank lines skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ROLES", "PromptRow", "RowError", "parse_row", "read_rows", "read_rows_from_files"]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RowError(ValueError):
+    """A data row that cannot be used; the message names the file and row."""
+
+
+@dataclass
+class PromptRow:
+    """One validated prompt: chat ``messages`` (a text prompt becomes one user message)."""
+
+    messages: list[dict[str, Any]]
+    ground_truth: Any
+    data_source: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # where it came from, for error messages: "data/train.jsonl row 17"
+
+
+def _present(obj: Mapping[str, Any], key: str) -> bool:
+    return obj.get(key) is not None
+
+
+def _check_messages(messages: Any, where: str, key: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"{where}: {key!r} must be a non-empty list of chat messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise RowError(f"{where}: {key}[{i}] must be a dict, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RowError(f"{where}: {key}[{i}].role must be one of {ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise RowError(
+                f"{where}: {key}[{i}].content must be a str, got {type(content).__name__}"
+            )
+    return [dict(m) for m in messages]
+
+
+def _as_dict(value: Any, where: str, key: str) -> dict[str, Any]:
+    if isinstance(value, list) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)  # a parquet map column reads as a list of (key, value) pairs
+    if not isinstance(value, Mapping):
+        raise RowError(f"{where}: {key!r} must be a dict, got {type(value).__name__}")
+    return dict(value)
+
+
+def _json_safe(value: Any, where: str, key: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise RowError(f"{where}: {key!r} is not JSON-serialisable ({e})") from e
+
+
+def parse_row(obj: Any, where: str) -> PromptRow:
+    """Validate one raw row (a dict) into a PromptRow; ``where`` names it in errors."""
+    if not isinstance(obj, Mapping):
+        raise RowError(f"{where} is a {type(obj).__name__}, expected an object (dict)")
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if messages is not None:
+        messages = _check_messages(messages, where, "messages")
+    elif isinstance(prompt, list):
+        messages = _check_messages(prompt, where, "prompt")
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            raise RowError(f"{where} has an empty prompt")
+        messages = [{"role": "user", "content": prompt}]
+    elif prompt is not None:
+        raise RowError(
+            f"{where}: 'prompt' must be a str or a chat list, got {type(prompt).__name__}"
+        )
+    else:
+        raise RowError(f"{where} has no prompt or messages")
+
+    if "ground_truth" in obj:
+        ground_truth = obj["ground_truth"]
+    elif isinstance(obj.get("reward_model"), Mapping) and "ground_truth" in obj["reward_model"]:
+        ground_truth = obj["reward_model"]["ground_truth"]
+    else:
+        raise RowError(f"{where} has no ground_truth (use null if the reward needs none)")
+    _json_safe(ground_truth, where, "ground_truth")
+
+    data_source = obj.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        got = "missing" if data_source is None else repr(data_source)
+        raise RowError(f"{where}: 'data_source' must be a non-empty str, got {got}")
+
+    key = "extra" if _present(obj, "extra") else "extra_info"
+    extra = _as_dict(obj[key], where, key) if _present(obj, key) else {}
+    _json_safe(extra, where, key)
+    return PromptRow(messages, ground_truth, data_source, extra, where)
+
+
+def _read_jsonl(path: str) -> list[PromptRow]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"row {number} of {path}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from e
+            rows.append(parse_row(obj, where))
+    return rows
+
+
+def _read_parquet(path: str) -> list[PromptRow]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    return [parse_row(obj, f"row {i} of {path}") for i, obj in enumerate(table.to_pylist(), 1)]
+
+
+_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[PromptRow]:
+    """All rows of one ``.jsonl`` or ``.parquet`` file, validated (RowError names the row)."""
+    path = os.fspath(path)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in _READERS:
+        raise ValueError(f"{path}: unsupported data file type {suffix!r}; use .jsonl or .parquet")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    rows = _READERS[suffix](path)
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    return rows
+
+
+def read_rows_from_files(paths: list[str], system_prompt: str | None = None) -> list[PromptRow]:
+    """Rows of several files in order; ``system_prompt`` is prepended to rows without one."""
+    rows = [row for path in paths for row in read_rows(path)]
+    if system_prompt is not None:
+        for row in rows:
+            if row.messages[0]["role"] != "system":
+                row.messages.insert(0, {"role": "system", "content": system_prompt})
+    return rows

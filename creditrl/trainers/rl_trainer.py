@@ -1,0 +1,372 @@
+"""The synchronous PPO-family loop (spec 002's stage order), one short method per stage.
+
+A step: prompts -> uid -> repeat(n) -> generate -> (ReMax greedy baseline) -> reward (maybe in
+the background) -> old log-probs -> reference log-probs -> values -> scores -> (DAPO shaping and
+filtering) -> KL into rewards -> rollout IS weights -> advantages -> critic update -> actor
+update -> metrics, rollout dump, validation, checkpoint, sampler hook.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from creditrl.batch import Batch
+from creditrl.config import Config
+from creditrl.config.loader import to_dict
+from creditrl.core import get_kl_controller
+from creditrl.data import ResumableSampler, build_datasets, collate_prompts
+from creditrl.models import (
+    CriticModel,
+    apply_lora,
+    disabled_adapters,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
+from creditrl.rewards import RewardManager
+from creditrl.rollout import HFRolloutEngine
+from creditrl.tracking import (
+    RolloutDumper,
+    Timer,
+    Tracker,
+    TrainingProgress,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+)
+from creditrl.trainers import stages
+from creditrl.trainers.checkpoint import CheckpointManager
+from creditrl.workers import ActorWorker, CriticWorker
+
+__all__ = ["RLTrainer", "RunSummary"]
+
+
+@dataclass
+class RunSummary:
+    """What the end-of-run summary shows."""
+
+    output_dir: Path
+    steps: int
+    val_before: dict[str, float] = field(default_factory=dict)
+    val_after: dict[str, float] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class RLTrainer:
+    """Builds every component from a Config and runs the loop. ``fit()`` resumes from the
+    latest checkpoint in ``trainer.output_dir`` unless ``trainer.resume=never``."""
+
+    def __init__(self, cfg: Config, console: Any = None) -> None:
+        self.cfg = cfg
+        self.console = console
+        if cfg.trainer.num_threads > 0:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.out = Path(cfg.trainer.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+        self.n = cfg.rollout.n
+        self._build_data()
+        self._build_models()
+        self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.kl_ctrl = get_kl_controller(
+            cfg.algorithm.kl_ctrl.type,
+            cfg.algorithm.kl_ctrl.kl_coef,
+            cfg.algorithm.kl_ctrl.target_kl,
+            cfg.algorithm.kl_ctrl.horizon,
+        )
+        self.uid_rng = np.random.default_rng(cfg.trainer.seed)
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
+        self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
+        self.dumper = RolloutDumper(self.out, cfg.trainer.rollout_dump_rows, self.tokenizer)
+        self.step = 0
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.train_data, self.val_data = build_datasets(cfg.data, self.tokenizer)
+        self.sampler = ResumableSampler(
+            len(self.train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle
+        )
+
+    def _optimizer_steps(self, mini_batch_size: int) -> int:
+        per_step = -(-self.cfg.data.train_batch_size // mini_batch_size)
+        return self.cfg.trainer.total_steps * per_step * max(self.cfg.actor.ppo_epochs, 1)
+
+    def _build_models(self) -> None:
+        cfg = self.cfg
+        policy = load_causal_lm(self.model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
+        self.ref_model = None
+        if cfg.model.lora_rank > 0:
+            policy = apply_lora(
+                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
+            )
+        elif self.use_ref:
+            self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.actor = ActorWorker(
+            policy,
+            cfg.actor,
+            total_optimizer_steps=self._optimizer_steps(cfg.actor.ppo_mini_batch_size),
+            seed=cfg.trainer.seed,
+        )
+        if self.ref_model is not None:
+            self.ref = ActorWorker(self.ref_model, cfg.actor, trainable=False)
+        self.rollout = HFRolloutEngine(policy, self.tokenizer, cfg.rollout, seed=cfg.trainer.seed)
+        self.critic = None
+        if self.use_critic:
+            critic_path = resolve_model_path(
+                cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir
+            )
+            critic_model = CriticModel.from_actor(critic_path, cfg.model.dtype)
+            self.critic = CriticWorker(
+                critic_model,
+                cfg.critic,
+                total_optimizer_steps=self._optimizer_steps(cfg.critic.ppo_mini_batch_size),
+                micro_batch_size=cfg.actor.log_prob_micro_batch_size,
+                seed=cfg.trainer.seed,
+            )
+
+    # ---- checkpoint ---------------------------------------------------------------------
+
+    def _parts(self) -> dict[str, Any]:
+        parts = {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic.model, self.critic.optimizer, self.critic.scheduler)
+        return parts
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        gens = {"actor": self.actor.generator, "rollout": self.rollout.generator}
+        if self.critic is not None:
+            gens["critic"] = self.critic.generator
+        return gens
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "uid_rng": self.uid_rng.bit_generator.state,
+            "val_before": getattr(self, "val_before", {}),
+        }
+        return self.checkpoints.save(self.step, self._parts(), state, self._generators())
+
+    def maybe_resume(self) -> bool:
+        latest = self.checkpoints.latest()
+        if latest is None or self.cfg.trainer.resume == "never":
+            return False
+        self.step, state = self.checkpoints.load(latest, self._parts(), self._generators())
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.uid_rng.bit_generator.state = state["uid_rng"]
+        self.val_before = state.get("val_before", {})
+        self.tracker.truncate_after(self.step)
+        return True
+
+    # ---- one step, stage by stage --------------------------------------------------------
+
+    def next_prompts(self) -> Batch:
+        """The next prompts from the sampler, one uid each, repeated n times (interleaved)."""
+        rows = [self.train_data[i] for i in next(self.sampler)]
+        prompts = collate_prompts(rows, self.tokenizer.pad_token_id)
+        stages.add_uids(prompts, self.uid_rng)
+        return prompts.repeat(self.n, interleave=True)
+
+    def generate(self, prompts: Batch) -> Batch:
+        batch = self.rollout.generate(prompts)
+        batch.meta.update(
+            temperature=self.cfg.rollout.temperature,
+            max_response_length=self.cfg.rollout.max_response_length,
+            step=self.step,
+        )
+        return batch
+
+    def remax_baseline(self, prompts: Batch, batch: Batch) -> None:
+        """ReMax: the reward of the greedy response to each prompt, as ``reward_baselines``."""
+        greedy = self.rollout.generate(prompts, greedy=True)
+        batch["reward_baselines"] = self.reward(greedy).scores.float()
+
+    def old_log_probs(self, batch: Batch) -> dict[str, float]:
+        temperature = self.cfg.rollout.temperature
+        log_probs, entropy = self.actor.compute_log_prob(batch, temperature)
+        batch["old_log_probs"] = log_probs
+        batch["entropys"] = entropy
+        mask = batch["response_mask"].float()
+        return {"actor/entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1))}
+
+    def ref_log_probs(self, batch: Batch) -> None:
+        temperature = self.cfg.rollout.temperature
+        if self.cfg.model.lora_rank > 0:
+            with disabled_adapters(self.actor.model):
+                batch["ref_log_prob"], _ = self.actor.compute_log_prob(batch, temperature, False)
+        else:
+            batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch, temperature, False)
+
+    def collect(self, timing: dict[str, float]) -> tuple[Batch, Any, dict[str, float]]:
+        """Generate until the batch is full (DAPO's filter keeps only groups whose scores vary)."""
+        metrics: dict[str, float] = {}
+        kept: list[Batch] = []
+        wanted = self.cfg.data.train_batch_size * self.n
+        filter_cfg = self.cfg.algorithm.filter_groups
+        for attempt in range(max(filter_cfg.max_num_gen_batches, 1) if filter_cfg.enable else 1):
+            prompts = self.next_prompts()
+            with Timer("gen", timing):
+                batch = self.generate(prompts)
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with Timer("gen_greedy", timing):
+                    self.remax_baseline(prompts, batch)
+            with Timer("reward", timing):
+                result = self.reward.submit(batch).result()
+            self._attach_scores(batch, result)
+            metrics.update(result.metrics)
+            if not filter_cfg.enable:
+                return batch, result, metrics
+            keep = stages.varied_groups(batch)
+            kept.append(batch[torch.from_numpy(keep)])
+            metrics["dapo/gen_batches"] = attempt + 1
+            if sum(len(b) for b in kept) >= wanted:
+                break
+        batch = Batch.concat(kept)[:wanted] if kept else batch
+        metrics["dapo/kept_fraction"] = len(batch) / wanted
+        if len(batch) == 0:
+            raise RuntimeError(
+                "DAPO filter kept no group with varied scores; raise max_num_gen_batches"
+            )
+        return batch, None, metrics
+
+    def _attach_scores(self, batch: Batch, result: Any) -> None:
+        batch["token_level_scores"] = result.token_level_scores
+        for key, values in result.extra.items():
+            batch[f"reward_{key}" if not key.startswith("reward_") else key] = list(values)
+
+    def train_step(self) -> dict[str, float]:
+        """One full step; returns its metrics."""
+        cfg = self.cfg
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        if cfg.algorithm.filter_groups.enable:
+            batch, _, reward_metrics = self.collect(timing)
+            metrics.update(reward_metrics)
+            with Timer("old_log_prob", timing):
+                metrics.update(self.old_log_probs(batch))
+        else:
+            prompts = self.next_prompts()
+            with Timer("gen", timing):
+                batch = self.generate(prompts)
+            if cfg.algorithm.adv_estimator == "remax":
+                with Timer("gen_greedy", timing):
+                    self.remax_baseline(prompts, batch)
+            future = self.reward.submit(batch)
+            if not cfg.reward.async_reward:
+                with Timer("reward", timing):
+                    result = future.result()
+            with Timer("old_log_prob", timing):
+                metrics.update(self.old_log_probs(batch))
+            if cfg.reward.async_reward:
+                with Timer("reward_wait", timing):
+                    result = future.result()
+            self._attach_scores(batch, result)
+            metrics.update(result.metrics)
+        if self.use_ref:
+            with Timer("ref", timing):
+                self.ref_log_probs(batch)
+        if self.critic is not None:
+            with Timer("values", timing):
+                batch["values"] = self.critic.compute_values(batch)
+        with Timer("adv", timing):
+            metrics.update(
+                stages.apply_overlong_penalty(batch, cfg.algorithm, cfg.rollout.max_response_length)
+            )
+            metrics.update(stages.kl_into_rewards(batch, cfg.algorithm, self.kl_ctrl.value))
+            if "actor/reward_kl_penalty" in metrics:
+                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+            metrics.update(stages.rollout_is_weights(batch, cfg.algorithm))
+            stages.compute_advantages(batch, cfg.algorithm)
+        if self.critic is not None:
+            with Timer("update_critic", timing):
+                metrics.update(self.critic.update_critic(batch, self.n))
+        if self.step > cfg.trainer.critic_warmup or self.critic is None:
+            with Timer("update_actor", timing):
+                metrics.update(self.actor.update_policy(batch, cfg.rollout.temperature, self.n))
+        timing["step"] = time.perf_counter() - start
+        metrics.update(compute_data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(compute_timing_metrics(timing, batch))
+        metrics.update(compute_throughput_metrics(timing, batch))
+        self.dumper.dump(batch, self.step)
+        self.sampler.update(batch)
+        self.last_batch = batch
+        return metrics
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (or ``val_temperature``) responses on the validation set: val/<source>/score
+        (mean@1), and pass@k when ``val_n`` > 1."""
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        cfg = self.cfg.rollout
+        rows = [self.val_data[i] for i in range(len(self.val_data))]
+        scores: dict[str, list[float]] = {}
+        for start in range(0, len(rows), max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)):
+            chunk = rows[start : start + max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)]
+            prompts = collate_prompts(chunk, self.tokenizer.pad_token_id).repeat(cfg.val_n)
+            batch = self.rollout.generate(
+                prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
+            )
+            result = self.reward(batch)
+            sources = list(batch["data_source"])
+            for i, score in enumerate(result.scores.tolist()):
+                scores.setdefault(sources[i], []).append(score)
+        out: dict[str, float] = {}
+        for source, values in scores.items():
+            arr = np.array(values).reshape(-1, cfg.val_n)
+            out[f"val/{source}/score"] = float(arr.mean())
+            if cfg.val_n > 1:
+                out[f"val/{source}/pass@{cfg.val_n}"] = float((arr.max(axis=1) > 0.5).mean())
+        return out
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> RunSummary:
+        cfg = self.cfg.trainer
+        began = time.perf_counter()
+        resumed = self.maybe_resume()
+        summary = RunSummary(output_dir=self.out, steps=cfg.total_steps)
+        if not resumed and cfg.val_before_train:
+            self.val_before = self.validate()
+            self.tracker.log(self.val_before, step=0)
+        summary.val_before = getattr(self, "val_before", {})
+        progress = TrainingProgress(cfg.total_steps, self.step, self.console)
+        last_val: dict[str, float] = {}
+        while self.step < cfg.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            if cfg.test_freq > 0 and (
+                self.step % cfg.test_freq == 0 or self.step == cfg.total_steps
+            ):
+                last_val = self.validate()
+                metrics.update(last_val)
+            self.tracker.log(metrics, step=self.step)
+            progress.update(self.step, metrics)
+            summary.rewards.append(metrics.get("critic/score/mean", float("nan")))
+            if (
+                cfg.save_freq > 0 and self.step % cfg.save_freq == 0
+            ) or self.step == cfg.total_steps:
+                self.save_checkpoint()
+        progress.close()
+        summary.val_after = last_val
+        summary.seconds = time.perf_counter() - began
+        self.tracker.close()
+        self.reward.close()
+        return summary

@@ -1,0 +1,164 @@
+"""Actor and critic workers on a tiny random model: alignment, trimming, accumulation."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from creditrl import Batch
+from creditrl.config import ActorConfig, CriticConfig, OptimConfig
+from creditrl.workers import ActorWorker, CriticWorker, policy_forward, value_forward
+
+VOCAB = 96
+
+
+def tiny_lm(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).float()
+
+
+class TinyCritic(torch.nn.Module):
+    """A value head on the tiny LM's hidden states: (B, L) values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_lm(1)
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        out = self.lm.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        )
+        return self.head(out.last_hidden_state).squeeze(-1)
+
+
+def make_batch(prompt_lens, response_lens, p=6, t=5, seed=0) -> Batch:
+    """Left-padded prompts, right-padded responses (pad id 0), as the rollout writes them."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(prompt_lens)
+    prompts = torch.zeros(b, p, dtype=torch.long)
+    responses = torch.zeros(b, t, dtype=torch.long)
+    pmask = torch.zeros(b, p, dtype=torch.long)
+    rmask = torch.zeros(b, t, dtype=torch.long)
+    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        prompts[i, p - pl :] = torch.randint(3, VOCAB, (pl,), generator=g)
+        pmask[i, p - pl :] = 1
+        responses[i, :rl] = torch.randint(3, VOCAB, (rl,), generator=g)
+        rmask[i, :rl] = 1
+    attention = torch.cat([pmask, rmask], 1)
+    return Batch.from_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": rmask,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        }
+    )
+
+
+def direct_log_probs(model, batch: Batch, temperature: float) -> torch.Tensor:
+    """Each row alone, unpadded: log pi(y_t | prompt, y_<t) by one full forward."""
+    rows = []
+    t = batch["responses"].shape[1]
+    for i in range(len(batch)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep].unsqueeze(0)
+        n = int(batch["response_mask"][i].sum())
+        logits = model(input_ids=ids).logits[0, -n - 1 : -1] / temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, -n:, None]).squeeze(-1)
+        rows.append(torch.nn.functional.pad(lp, (0, t - n)))
+    return torch.stack(rows)
+
+
+def test_policy_forward_matches_each_row_alone() -> None:
+    model = tiny_lm().eval()
+    batch = make_batch([6, 2, 4], [5, 1, 3])
+    with torch.no_grad():
+        got, entropy = policy_forward(model, batch, temperature=0.7, with_entropy=True)
+        want = direct_log_probs(model, batch, 0.7)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    assert got.shape == entropy.shape == (3, 5)
+    assert (entropy[mask] > 0).all()
+
+
+def test_trimming_does_not_change_log_probs() -> None:
+    model = tiny_lm().eval()
+    batch = make_batch([2, 3], [2, 1], p=9, t=7)  # lots of all-padding columns
+    with torch.no_grad():
+        got, _ = policy_forward(model, batch)
+        want = direct_log_probs(model, batch, 1.0)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    assert (got[:, 2:] == 0).all() and got.shape == (2, 7)  # columns no row uses
+    worker = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=1), trainable=False)
+    log_probs, _ = worker.compute_log_prob(batch, with_entropy=False)
+    torch.testing.assert_close(log_probs, want * mask)
+
+
+def actor_batch(model) -> Batch:
+    batch = make_batch([6, 2, 4, 5], [5, 1, 3, 4], seed=3)
+    worker = ActorWorker(model, ActorConfig(), trainable=False)
+    batch["old_log_probs"], _ = worker.compute_log_prob(batch, 1.0, with_entropy=False)
+    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * batch["response_mask"]
+    batch["ref_log_prob"] = batch["old_log_probs"] - 0.1
+    return batch
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_accumulate_the_same_gradient(mode: str) -> None:
+    base = tiny_lm()
+    batch = actor_batch(base)
+    grads = []
+    for micro in (4, 1):
+        model = copy.deepcopy(base)
+        cfg = ActorConfig(
+            optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=4, ppo_micro_batch_size=micro,
+            loss_agg_mode=mode, use_kl_loss=True, entropy_coeff=0.01, shuffle=False,
+        )  # fmt: skip
+        worker = ActorWorker(model, cfg)
+        step = worker.optimizer.step
+
+        def spy(*args, step=step, model=model, **kwargs):
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            return step(*args, **kwargs)
+
+        worker.optimizer.step = spy
+        metrics = worker.update_policy(batch, temperature=1.0, n_per_prompt=1)
+        assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"} <= set(
+            metrics
+        )
+        assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # first step is on-policy
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert not torch.allclose(after, torch.cat([p.flatten() for p in base.parameters()]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_critic_values_are_aligned_and_update_runs() -> None:
+    critic = TinyCritic()
+    batch = make_batch([6, 2, 4], [5, 1, 3])
+    worker = CriticWorker(critic, CriticConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=2))
+    values = worker.compute_values(batch)
+    with torch.no_grad():
+        for i in range(3):
+            keep = batch["attention_mask"][i].bool()
+            n = int(batch["response_mask"][i].sum())
+            ids = batch["input_ids"][i][keep].unsqueeze(0)
+            pos = torch.arange(ids.shape[1]).unsqueeze(0)
+            alone = critic(ids, torch.ones_like(ids), pos)[0, -n - 1 : -1]
+            torch.testing.assert_close(values[i, :n], alone, atol=1e-5, rtol=1e-5)
+    assert (values[batch["response_mask"] == 0] == 0).all()
+    batch["values"] = values
+    batch["returns"] = values + 1.0
+    metrics = worker.update_critic(batch, n_per_prompt=1)
+    assert metrics["critic/vf_loss"] > 0 and "critic/vf_clipfrac" in metrics
+    with torch.no_grad():
+        assert not torch.allclose(value_forward(critic, batch), values)
