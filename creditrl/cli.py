@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"{key}: {value:.4f}")
         return 0
     summary = trainer.fit()
-    print_summary(console, summary)
+    print_summary(console, summary.as_dict())
     return 0
 
 

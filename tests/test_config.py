@@ -7,7 +7,9 @@ from creditrl.config.loader import PRESETS, ConfigError, all_keys, load_config
 
 
 def test_defaults_and_overrides_are_typed() -> None:
-    cfg = load_config(overrides=["rollout.n=8", "actor.optim.lr=3e-6", "data.task_kwargs.min_terms=3"])
+    cfg = load_config(
+        overrides=["rollout.n=8", "actor.optim.lr=3e-6", "data.task_kwargs.min_terms=3"]
+    )
     assert cfg.rollout.n == 8 and isinstance(cfg.rollout.n, int)
     assert cfg.actor.optim.lr == pytest.approx(3e-6)
     assert cfg.data.task_kwargs["min_terms"] == 3 and cfg.data.task_kwargs["max_digits"] == 1
@@ -46,7 +48,7 @@ def test_unknown_keys_suggest_the_right_one(override: str, suggestion: str) -> N
 
 
 def test_bad_values_and_forms_are_errors(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="rollout.n"):
+    with pytest.raises(ConfigError, match=r"rollout\.n"):
         load_config(overrides=["rollout.n=many"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config(overrides=["rollout.n"])
@@ -56,7 +58,7 @@ def test_bad_values_and_forms_are_errors(tmp_path) -> None:
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  totl_steps: 3\n")
-    with pytest.raises(ConfigError, match="trainer.total_steps"):
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps"):
         load_config(bad)
 
 

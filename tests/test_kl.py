@@ -76,3 +76,14 @@ def test_adaptive_controller_follows_ziegler() -> None:
         AdaptiveKLController(0.1, 0.0, 1000)
     with pytest.raises(ValueError, match="adaptive"):
         get_kl_controller("pid")
+
+
+def test_controllers_checkpoint_their_state() -> None:
+    ctrl = get_kl_controller("adaptive", kl_coef=0.1, target_kl=0.5, horizon=1000)
+    ctrl.update(current_kl=0.6, n_steps=100)
+    fresh = get_kl_controller("adaptive", kl_coef=0.1, target_kl=0.5, horizon=1000)
+    fresh.load_state_dict(ctrl.state_dict())
+    assert fresh.value == ctrl.value != 0.1
+    fixed = get_kl_controller("fixed", kl_coef=0.2)
+    fixed.load_state_dict({"value": 9.0})
+    assert fixed.state_dict() == {"value": 0.2}

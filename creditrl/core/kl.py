@@ -106,6 +106,12 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op: the coefficient is fixed."""
 
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Nothing to restore: the coefficient is fixed by the config."""
+
 
 @dataclass
 class AdaptiveKLController:
@@ -127,6 +133,13 @@ class AdaptiveKLController:
         """Move beta toward the target: n_steps samples were seen at mean KL ``current_kl``."""
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue from a checkpointed beta."""
+        self.value = float(state["value"])
 
 
 def get_kl_controller(

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from creditrl.batch import Batch
 from creditrl.config import Config
@@ -59,6 +60,18 @@ class RunSummary:
     rewards: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
+    def as_dict(self) -> dict[str, Any]:
+        """The keys ``creditrl.tracking.print_summary`` reads."""
+        return {
+            "val_score_before": self.val_before.get("val/score"),
+            "val_score_after": self.val_after.get("val/score"),
+            "rewards": self.rewards,
+            "trend_k": max(1, min(5, len(self.rewards) // 2)),
+            "steps": self.steps,
+            "total_time_s": self.seconds,
+            "output_dir": str(self.output_dir),
+        }
+
 
 class RLTrainer:
     """Builds every component from a Config and runs the loop. ``fit()`` resumes from the
@@ -66,7 +79,7 @@ class RLTrainer:
 
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
-        self.console = console
+        self.console = console or Console()
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
@@ -155,7 +168,7 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         state = {
             "sampler": self.sampler.state_dict(),
-            "kl_coef": self.kl_ctrl.value,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
             "uid_rng": self.uid_rng.bit_generator.state,
             "val_before": getattr(self, "val_before", {}),
         }
@@ -167,7 +180,7 @@ class RLTrainer:
             return False
         self.step, state = self.checkpoints.load(latest, self._parts(), self._generators())
         self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.value = state["kl_coef"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.uid_rng.bit_generator.state = state["uid_rng"]
         self.val_before = state.get("val_before", {})
         self.tracker.truncate_after(self.step)
@@ -187,6 +200,7 @@ class RLTrainer:
         batch.meta.update(
             temperature=self.cfg.rollout.temperature,
             max_response_length=self.cfg.rollout.max_response_length,
+            eos_token_id=self.tokenizer.eos_token_id,
             step=self.step,
         )
         return batch
@@ -245,9 +259,7 @@ class RLTrainer:
         return batch, None, metrics
 
     def _attach_scores(self, batch: Batch, result: Any) -> None:
-        batch["token_level_scores"] = result.token_level_scores
-        for key, values in result.extra.items():
-            batch[f"reward_{key}" if not key.startswith("reward_") else key] = list(values)
+        result.write_to(batch)
 
     def train_step(self) -> dict[str, float]:
         """One full step; returns its metrics."""
@@ -328,7 +340,9 @@ class RLTrainer:
             sources = list(batch["data_source"])
             for i, score in enumerate(result.scores.tolist()):
                 scores.setdefault(sources[i], []).append(score)
-        out: dict[str, float] = {}
+        out: dict[str, float] = {
+            "val/score": float(np.mean([v for vs in scores.values() for v in vs]))
+        }
         for source, values in scores.items():
             arr = np.array(values).reshape(-1, cfg.val_n)
             out[f"val/{source}/score"] = float(arr.mean())

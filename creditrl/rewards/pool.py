@@ -1,0 +1,246 @@
+"""Scoring pool: worker subprocesses speaking JSON lines, fed by one thread each.
+
+Each feeder thread owns one ``python -m creditrl.rewards.worker`` process and takes
+``(job, index, line)`` tasks from a shared queue. A sample that runs past ``timeout_s`` gets
+status "timeout"; its worker is killed and a fresh one started (it warms up in the background).
+``num_workers=0`` scores in one in-process thread: no process boundary, and the timeout cannot
+be enforced (a hanging scorer hangs the pool) -- for debugging only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from creditrl.rewards.worker import score_request
+
+__all__ = ["ScoringJob", "ScoringPool"]
+
+STARTUP_TIMEOUT_S = 120.0
+CLOSE_WAIT_S = 2.0
+
+
+class ScoringJob:
+    """Replies for one batch, filled by the feeder threads; ``wait`` blocks until all are in."""
+
+    def __init__(self, size: int) -> None:
+        self.replies: list[dict[str, Any] | None] = [None] * size
+        self._left = size
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if size == 0:
+            self._done.set()
+
+    def set(self, index: int, reply: dict[str, Any]) -> None:
+        with self._lock:
+            if self.replies[index] is None:
+                self._left -= 1
+            self.replies[index] = reply
+            if self._left == 0:
+                self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+def _failure(status: str, message: str) -> dict[str, Any]:
+    return {"status": status, "score": None, "extra": {}, "error": message}
+
+
+class _WorkerDied(RuntimeError):
+    pass
+
+
+class _WorkerProcess:
+    """One worker subprocess; a reader thread turns its stdout into a queue of lines."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "creditrl.rewards.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            bufsize=1,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.ready = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _next(self, deadline: float) -> dict[str, Any]:
+        line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        if line is None:
+            code = self.proc.wait()
+            raise _WorkerDied(f"reward worker {self.proc.pid} exited with code {code}")
+        return json.loads(line)
+
+    def wait_ready(self) -> None:
+        """Block until the worker's ready line (_WorkerDied if it exits or takes too long)."""
+        if self.ready:
+            return
+        try:
+            self._next(time.monotonic() + STARTUP_TIMEOUT_S)
+        except queue.Empty:
+            raise _WorkerDied(f"reward worker not ready after {STARTUP_TIMEOUT_S}s") from None
+        self.ready = True
+
+    def call(self, line: str, request_id: int, timeout_s: float) -> dict[str, Any]:
+        """Send one request line; the reply, TimeoutError, or _WorkerDied."""
+        self.wait_ready()
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise _WorkerDied(f"reward worker {self.proc.pid} is gone: {e}") from e
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self._next(deadline)
+            except queue.Empty:
+                raise TimeoutError from None
+            if reply.get("id") == request_id:
+                return reply
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close_stdin(self) -> None:
+        """End the worker: EOF on its stdin if it is serving, a kill while still starting."""
+        if not self.ready:
+            self.proc.kill()
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            self.proc.kill()
+
+
+def _worker_env() -> dict[str, str]:
+    """The parent's environment with creditrl's parent directory first on PYTHONPATH."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class ScoringPool:
+    """``num_workers`` worker processes (0: one in-process thread) with a per-sample timeout."""
+
+    def __init__(self, num_workers: int, timeout_s: float) -> None:
+        if num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._tasks: queue.Queue[tuple[ScoringJob, int, int, str] | None] = queue.Queue()
+        self._closed = False
+        self._env = _worker_env()
+        self._workers: list[_WorkerProcess | None] = [None] * num_workers
+        self._lock = threading.Lock()
+        for slot in range(num_workers):
+            self._workers[slot] = _WorkerProcess(self._env)
+        self._threads = [
+            threading.Thread(target=self._feed, args=(slot,), daemon=True)
+            for slot in range(max(num_workers, 1))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def put(self, job: ScoringJob, index: int, request_id: int, line: str) -> None:
+        """Queue one request line (its reply goes to ``job.replies[index]``)."""
+        if self._closed:
+            raise RuntimeError("the reward scoring pool is closed")
+        self._tasks.put((job, index, request_id, line))
+
+    def _feed(self, slot: int) -> None:
+        """Take a task only once this slot's worker is ready, so a warming worker holds none."""
+        while True:
+            startup_error = self._warm(slot)
+            task = self._tasks.get()
+            if task is None:
+                return
+            job, index, request_id, line = task
+            if self.num_workers == 0:
+                job.set(index, json.loads(json.dumps(score_request(json.loads(line)), default=str)))
+            elif startup_error is not None:
+                job.set(index, _failure("error", startup_error))
+            else:
+                job.set(index, self._call(slot, request_id, line))
+
+    def _warm(self, slot: int) -> str | None:
+        """Wait for the slot's worker to be ready; the startup failure message, if any."""
+        worker = self._workers[slot] if self.num_workers else None
+        if worker is None:
+            return None
+        try:
+            worker.wait_ready()
+        except _WorkerDied as e:
+            self._replace(slot, worker)
+            return str(e)
+        return None
+
+    def _call(self, slot: int, request_id: int, line: str) -> dict[str, Any]:
+        worker = self._workers[slot]
+        if worker is None:
+            return _failure("error", "the reward scoring pool is closed")
+        try:
+            return worker.call(line, request_id, self.timeout_s)
+        except TimeoutError:
+            self._replace(slot, worker)
+            return _failure("timeout", f"scorer exceeded {self.timeout_s}s; its worker was killed")
+        except _WorkerDied as e:
+            self._replace(slot, worker)
+            return _failure("error", str(e))
+
+    def _replace(self, slot: int, worker: _WorkerProcess) -> None:
+        worker.kill()
+        with self._lock:
+            if not self._closed:
+                self._workers[slot] = _WorkerProcess(self._env)
+
+    def close(self) -> None:
+        """Stop the feeders, fail queued tasks, and end the worker processes."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task[0].set(task[1], _failure("error", "the reward scoring pool was closed"))
+        for _ in self._threads:
+            self._tasks.put(None)
+        workers = [w for w in self._workers if w is not None]
+        self._workers = [None] * self.num_workers
+        for worker in workers:
+            worker.close_stdin()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for worker in workers:
+            try:
+                worker.proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                worker.kill()

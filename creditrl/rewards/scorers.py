@@ -1,0 +1,191 @@
+"""Built-in rule scorers, verl's ``compute_score`` signature.
+
+Each scorer is ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` and
+returns ``{"score": float, ...extra}``. ``solution_str`` is the decoded response (text for
+scoring only; never re-encoded for training). Heavy libraries (reasoning_gym, math_verify) are
+imported on first use so a worker process starts fast.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from functools import cache
+from typing import Any
+
+__all__ = [
+    "answer_format_ok",
+    "extract_answer",
+    "gsm8k_score",
+    "math_score",
+    "reasoning_gym_score",
+    "think_answer_format_ok",
+]
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK_ANSWER = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+_ANSWER_ONLY = re.compile(r"^.*?<answer>.*?</answer>$", re.DOTALL)
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
+
+
+def extract_answer(solution_str: str) -> str | None:
+    """Content (stripped) of the last ``<answer>...</answer>`` block, or None if there is none."""
+    found = _ANSWER.findall(solution_str)
+    return found[-1].strip() if found else None
+
+
+def _tag_counts_are_one(text: str, *tags: str) -> bool:
+    return all(text.count(f"<{t}>") == 1 and text.count(f"</{t}>") == 1 for t in tags)
+
+
+def think_answer_format_ok(solution_str: str) -> bool:
+    """Spec 003's format: exactly ``<think>...</think>`` then ``<answer>...</answer>``.
+
+    Leading/trailing whitespace is ignored; whitespace may separate the two blocks; each tag
+    appears exactly once and nothing follows ``</answer>``.
+    """
+    text = solution_str.strip()
+    return bool(_THINK_ANSWER.match(text)) and _tag_counts_are_one(text, "think", "answer")
+
+
+def answer_format_ok(solution_str: str) -> bool:
+    """One ``<answer>...</answer>`` block ending the (stripped) text, anything before it."""
+    text = solution_str.strip()
+    return bool(_ANSWER_ONLY.match(text)) and _tag_counts_are_one(text, "answer")
+
+
+def _to_decimal(text: str) -> Decimal | None:
+    """An exact number from ``text`` ("1,234", "$5", "8.", "-3.50"), or None if not one number."""
+    cleaned = text.strip().replace(",", "").replace("$", "").strip().rstrip(".")
+    if not _NUMBER.fullmatch(cleaned):
+        return None
+    try:
+        return Decimal(cleaned)
+    except InvalidOperation:
+        return None
+
+
+def _gsm8k_truth(ground_truth: Any) -> Decimal:
+    """The reference number: a number, a numeric string, or GSM8K's "... #### 72" solution."""
+    text = str(ground_truth)
+    if "####" in text:
+        text = text.split("####")[-1]
+    value = _to_decimal(text)
+    if value is None:
+        raise ValueError(f"gsm8k ground truth {ground_truth!r} is not a number")
+    return value
+
+
+def gsm8k_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    format_reward: float = 1.25,
+    answer_reward: float = 1.0,
+    format_miss: float = 0.0,
+    answer_miss: float = 0.0,
+) -> dict[str, Any]:
+    """Spec 003's GSM8K reward: score = format_score + answer_score.
+
+    - format_score = ``format_reward`` (1.25) if ``think_answer_format_ok`` else ``format_miss``.
+    - answer_score = ``answer_reward`` (1.0) if the last ``<answer>`` content is exactly the
+      ground-truth number (commas, "$" and a trailing "." ignored; "8" == "8.0"), else
+      ``answer_miss``. No answer tags: ``answer_miss``.
+
+    A correct, well-formatted response scores 1.25 + 1.0 = 2.25 (spec 003's example).
+    """
+    answer = extract_answer(solution_str)
+    value = _to_decimal(answer) if answer is not None else None
+    correct = value is not None and value == _gsm8k_truth(ground_truth)
+    format_score = format_reward if think_answer_format_ok(solution_str) else format_miss
+    answer_score = answer_reward if correct else answer_miss
+    return {
+        "score": format_score + answer_score,
+        "format_score": format_score,
+        "answer_score": answer_score,
+        "extracted_answer": answer,
+    }
+
+
+@cache
+def _rg_score_fn(name: str) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def reasoning_gym_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    answer_weight: float = 1.0,
+    format_weight: float = 0.1,
+    require_think: bool = False,
+) -> dict[str, Any]:
+    """reasoning_gym task reward: answer_weight * answer_score + format_weight * format_ok.
+
+    answer_score in [0, 1] is the task's own ``score_answer(answer, entry)`` on the last
+    ``<answer>`` content (0 without one). The dataset is ``entry["metadata"]["source_dataset"]``,
+    else the part after "reasoning_gym/" in ``data_source``. ``entry`` is
+    ``extra_info["rg_entry"]`` (question, answer, metadata); without it,
+    ``{"answer": ground_truth, "metadata": {}}`` (enough for tasks that compare answers only).
+    format_ok: one ``<answer>`` block ends the response (spec 003's think+answer layout when
+    ``require_think``).
+    """
+    entry = (extra_info or {}).get("rg_entry") or {
+        "question": "",
+        "answer": ground_truth,
+        "metadata": {},
+    }
+    name = (entry.get("metadata") or {}).get("source_dataset") or data_source.partition("/")[2]
+    if not name:
+        raise ValueError(
+            f"data_source {data_source!r} names no reasoning_gym task "
+            "(expected 'reasoning_gym/<task>' or rg_entry.metadata.source_dataset)"
+        )
+    answer = extract_answer(solution_str)
+    answer_score = float(_rg_score_fn(name)(answer, entry)) if answer is not None else 0.0
+    format_check = think_answer_format_ok if require_think else answer_format_ok
+    format_score = float(format_check(solution_str))
+    return {
+        "score": answer_weight * answer_score + format_weight * format_score,
+        "answer_score": answer_score,
+        "format_score": format_score,
+        "extracted_answer": answer,
+    }
+
+
+def math_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    correct_score: float = 1.0,
+    wrong_score: float = 0.0,
+) -> dict[str, Any]:
+    """Math answer equivalence with ``math_verify``: correct_score if verify(gold, pred).
+
+    gold: ``ground_truth`` as given if it holds "\\boxed" or "$", else wrapped as
+    ``\\boxed{...}``. pred: parsed from the last ``<answer>`` content if there is one, else from
+    the whole response (math_verify finds the last boxed / LaTeX / plain expression).
+    math_verify's own signal-based timeout runs only in a main thread.
+    """
+    from math_verify import parse, verify
+
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    truth = str(ground_truth)
+    if "\\boxed" not in truth and "$" not in truth:
+        truth = f"\\boxed{{{truth}}}"
+    gold = parse(truth, parsing_timeout=limit)
+    if not gold:
+        raise ValueError(f"math ground truth {ground_truth!r} could not be parsed")
+    answer = extract_answer(solution_str)
+    pred = parse(answer if answer is not None else solution_str, parsing_timeout=limit)
+    correct = bool(pred) and verify(gold, pred, timeout_seconds=limit)
+    return {
+        "score": correct_score if correct else wrong_score,
+        "extracted_answer": str(pred[-1]) if pred else None,
+    }

@@ -1,0 +1,70 @@
+"""Next-token sampling with the log-prob of each chosen token under the sampling distribution.
+
+The sampling distribution at one decode step, for a row of logits ``z`` (V,):
+
+    z' = z / temperature  ->  top-k: keep the k largest (ties kept), others -inf
+                          ->  top-p: keep the smallest head of the sorted distribution whose mass
+                              reaches p (always at least the most likely token), others -inf
+    π_sample = softmax(z'),  log_prob = log_softmax(z')[token]
+
+so filtered tokens have log-prob -inf and the kept ones are renormalised. This is what
+``rollout_log_probs`` records (float32). Greedy decoding takes ``argmax z`` and records
+``log_softmax(z)[argmax]``: the log-prob under the unscaled, unfiltered model distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["filter_logits", "sample_next_tokens"]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p filtering of ``logits`` (..., V): removed entries become -inf.
+
+    ``top_k <= 0`` or ``>= V`` and ``top_p >= 1`` are no-ops (the input is returned as is).
+    Top-p keeps token i (in descending order) iff the mass strictly before it is < ``top_p``.
+    """
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row of ``logits`` (N, V).
+
+    Returns ``(tokens, log_probs)``: int64 (N,) and float32 (N,), the log-prob of each token
+    under the sampling distribution described in the module docstring (greedy: under
+    ``log_softmax(logits)``). Sampling draws from ``generator`` (on the logits' device).
+    """
+    logits = logits.float()
+    if greedy:
+        log_probs = logits.log_softmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if temperature <= 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature} (use greedy=True)")
+    scaled = logits / temperature if temperature != 1.0 else logits
+    log_probs = filter_logits(scaled, top_k, top_p).log_softmax(dim=-1)
+    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,451 @@
+"""Rule scorers, the scorer registry, the reward manager's worker pool, and the reward model."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import reasoning_gym
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+from creditrl.batch import Batch
+from creditrl.config.schema import RewardConfig, RewardModelConfig
+from creditrl.rewards import pool, worker
+from creditrl.rewards.manager import RewardManager
+from creditrl.rewards.registry import (
+    SCORERS,
+    get_scorer,
+    portable_spec,
+    register_scorer,
+    scorer_spec,
+)
+from creditrl.rewards.reward_model import RewardModelWorker
+from creditrl.rewards.scorers import gsm8k_score, math_score, reasoning_gym_score
+
+PAD = EOS = 2
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+# A user scorer file for the worker-pool tests: its behaviour is chosen by the response text.
+USER_SCORERS = textwrap.dedent(
+    """
+    import math, time
+
+    def dispatch(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        if "RAISE" in solution_str:
+            raise ValueError("scorer exploded on purpose")
+        if "HANG" in solution_str:
+            time.sleep(60)
+        if "NAN" in solution_str:
+            return math.nan
+        if "PRINT" in solution_str:
+            print("noise on stdout", flush=True)
+        if "SLEEP" in solution_str:
+            time.sleep(0.5)
+        return {"score": float(len(solution_str)), "echo": ground_truth, **kwargs}
+
+    def other(data_source, solution_str, ground_truth, extra_info=None):
+        return 7
+    """
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny byte-level tokenizer (ids 0-2 special: unk, <|im_start|>, <|im_end|> = eos = pad)."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_batch(
+    tok: PreTrainedTokenizerFast,
+    texts: list[str],
+    ground_truth: list,
+    data_source: str | list[str] = "user",
+    extra_info: list[dict] | None = None,
+    eos: list[bool] | None = None,
+) -> Batch:
+    """responses right-padded with PAD, response_mask 1 up to and including EOS."""
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    ids = [[*x, EOS] if (eos is None or eos[i]) else x for i, x in enumerate(ids)]
+    width = max(len(x) for x in ids) + 2
+    responses = torch.full((len(ids), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, x in enumerate(ids):
+        responses[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    sources = [data_source] * len(texts) if isinstance(data_source, str) else data_source
+    return Batch(
+        {"responses": responses, "response_mask": mask},
+        {
+            "data_source": sources,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info or [{} for _ in texts],
+            "raw_prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(len(ids))],
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("scorers") / "my_scorers.py"
+    path.write_text(USER_SCORERS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pool_manager(tok, user_file):
+    """Two worker processes, 1 s timeout, every sample scored by ``my_scorers.py:dispatch``."""
+    cfg = RewardConfig(
+        scorer=f"{user_file}:dispatch", num_workers=2, timeout_s=1.0, fallback_score=-5.0
+    )
+    with RewardManager(cfg, tok) as manager:
+        yield manager
+
+
+# ---- scorers --------------------------------------------------------------------------------
+
+
+def test_gsm8k_spec003_values() -> None:
+    good = "<think>3 + 5 = 8</think>\n<answer>8</answer>"
+    out = gsm8k_score("gsm8k", good, "8")
+    assert out == {
+        "score": 2.25,
+        "format_score": 1.25,
+        "answer_score": 1.0,
+        "extracted_answer": "8",
+    }
+    assert gsm8k_score("gsm8k", good.replace(">8<", ">9<"), "8")["score"] == 1.25
+    assert gsm8k_score("gsm8k", "<answer> 1,234.0 </answer>", 1234)["score"] == 1.0
+    assert (
+        gsm8k_score("gsm8k", "<think>x</think><answer>$72</answer>", "so #### 72")["score"] == 2.25
+    )
+    missing = gsm8k_score("gsm8k", "the answer is 8", "8")
+    assert missing["score"] == 0.0 and missing["extracted_answer"] is None
+    assert gsm8k_score("gsm8k", "<think>a</think><answer>eight</answer>", "8")["score"] == 1.25
+    # malformed: text after </answer>, a second answer block, unclosed think
+    assert gsm8k_score("gsm8k", "<think>a</think><answer>8</answer> bye", "8")["score"] == 1.0
+    two = "<think>a</think><answer>7</answer><answer>8</answer>"
+    assert gsm8k_score("gsm8k", two, "8") == {
+        "score": 1.0,
+        "format_score": 0.0,
+        "answer_score": 1.0,
+        "extracted_answer": "8",
+    }
+    assert gsm8k_score("gsm8k", "<think>a<answer>8</answer>", "8")["format_score"] == 0.0
+    custom = gsm8k_score("gsm8k", "nothing", "8", format_miss=-1.0, answer_miss=-1.0)
+    assert custom["score"] == -2.0
+    with pytest.raises(ValueError, match="not a number"):
+        gsm8k_score("gsm8k", good, "eight")
+
+
+def test_reasoning_gym_scorer_uses_the_task_scorer() -> None:
+    entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3)[0]
+    info = {"rg_entry": json.loads(json.dumps(entry))}
+    right = f"Adding up.\n<answer>{entry['answer']}</answer>"
+    out = reasoning_gym_score("reasoning_gym/chain_sum", right, entry["answer"], info)
+    assert out["answer_score"] == 1.0 and out["format_score"] == 1.0
+    assert out["score"] == pytest.approx(1.1)
+    assert out["extracted_answer"] == entry["answer"]
+    wrong = reasoning_gym_score("reasoning_gym/chain_sum", "<answer>123456</answer>", "", info)
+    assert wrong["score"] == pytest.approx(0.1) and wrong["answer_score"] == 0.0
+    none = reasoning_gym_score("reasoning_gym/chain_sum", entry["answer"], "", info)
+    assert none == {
+        "score": 0.0,
+        "answer_score": 0.0,
+        "format_score": 0.0,
+        "extracted_answer": None,
+    }
+    weighted = reasoning_gym_score(
+        "reasoning_gym/chain_sum", right, "", info, answer_weight=2.0, format_weight=0.5
+    )
+    assert weighted["score"] == pytest.approx(2.5)
+    think = reasoning_gym_score("reasoning_gym/chain_sum", right, "", info, require_think=True)
+    assert think["format_score"] == 0.0
+    # without rg_entry the ground truth is the reference answer
+    bare = reasoning_gym_score("reasoning_gym/chain_sum", right, entry["answer"], None)
+    assert bare["answer_score"] == 1.0
+
+
+def test_math_scorer() -> None:
+    assert math_score("math", "so \\boxed{\\frac{1}{2}}", "\\boxed{0.5}")["score"] == 1.0
+    assert math_score("math", "<answer>1/2</answer>", "\\frac{1}{2}")["score"] == 1.0
+    assert math_score("math", "<answer>$\\sqrt{2}$</answer>", "\\sqrt{2}")["score"] == 1.0
+    wrong = math_score("math", "the result is \\boxed{3}", "4")
+    assert wrong["score"] == 0.0 and wrong["extracted_answer"] == "3"
+    assert math_score("math", "no idea", "4")["score"] == 0.0
+
+
+# ---- registry -------------------------------------------------------------------------------
+
+
+def test_lookup_exact_then_prefix_and_unknown_error() -> None:
+    assert get_scorer("gsm8k") is SCORERS["gsm8k"]
+    assert scorer_spec("reasoning_gym/chain_sum") == "reasoning_gym"
+    assert get_scorer("reasoning_gym/chain_sum") is reasoning_gym_score
+    assert get_scorer("anything", "math") is math_score
+    with pytest.raises(ValueError, match=r"'no_such_task'.*'gsm8k'.*'math'.*'reasoning_gym'"):
+        get_scorer("no_such_task")
+    with pytest.raises(ValueError, match="neither a registered name"):
+        get_scorer("gsm8k", "nope")
+
+
+def test_user_scorer_from_file(user_file: Path, tmp_path: Path) -> None:
+    fn = get_scorer("whatever", f"{user_file}:other")
+    assert fn("whatever", "text", 1) == 7
+    with pytest.raises(FileNotFoundError, match=r"missing\.py"):
+        get_scorer("x", f"{tmp_path}/missing.py:fn")
+    with pytest.raises(AttributeError, match=r"no function 'absent'.*\['dispatch', 'other'\]"):
+        get_scorer("x", f"{user_file}:absent")
+
+
+def test_registered_scorer_and_portable_spec(user_file: Path) -> None:
+    @register_scorer("local_only")
+    def local(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0
+
+    try:
+        assert get_scorer("local_only/sub") is local
+        with pytest.raises(ValueError, match="not a top-level function"):
+            portable_spec("local_only")
+    finally:
+        del SCORERS["local_only"]
+    register_scorer("top_level")(gsm8k_score)
+    try:
+        assert portable_spec("top_level").endswith("scorers.py:gsm8k_score")
+    finally:
+        del SCORERS["top_level"]
+    assert portable_spec("gsm8k") == "gsm8k"
+    assert portable_spec(f"{user_file}:other") == f"{user_file.resolve()}:other"
+
+
+# ---- wire protocol --------------------------------------------------------------------------
+
+
+def test_wire_is_json_lines_never_pickle() -> None:
+    for module in (worker, pool):
+        assert "pickle" not in inspect.getsource(module)
+    proc = subprocess.run(
+        [sys.executable, "-m", "creditrl.rewards.worker"],
+        input=json.dumps(
+            {
+                "id": 5,
+                "scorer": "gsm8k",
+                "scorer_kwargs": {},
+                "data_source": "gsm8k",
+                "solution_str": "<think>a</think><answer>8</answer>",
+                "ground_truth": "8",
+                "extra_info": {},
+            }
+        )
+        + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(pool.__file__).parents[2])},
+    )
+    ready, reply = (json.loads(line) for line in proc.stdout.splitlines())
+    assert proc.returncode == 0  # exits on stdin EOF
+    assert ready["ready"] is True
+    assert reply["id"] == 5 and reply["status"] == "ok" and reply["score"] == 2.25
+    assert reply["extra"]["format_score"] == 1.25 and reply["error"] is None
+
+
+# ---- reward manager -------------------------------------------------------------------------
+
+
+def test_manager_in_process_builtin_scorers(tok) -> None:
+    entry = json.loads(json.dumps(reasoning_gym.create_dataset("chain_sum", size=1, seed=0)[0]))
+    texts = [
+        "<think>ok</think><answer>8</answer>",
+        "no tags",
+        f"<answer>{entry['answer']}</answer>",
+    ]
+    batch = make_batch(
+        tok,
+        texts,
+        ["8", "8", entry["answer"]],
+        ["gsm8k", "gsm8k", "reasoning_gym/chain_sum"],
+        [{}, {}, {"rg_entry": entry}],
+        eos=[True, False, True],
+    )
+    with RewardManager(RewardConfig(num_workers=0), tok) as manager:
+        result = manager(batch)
+    assert result.scores.tolist() == pytest.approx([2.25, 0.0, 1.1])
+    last = batch["response_mask"].sum(-1) - 1
+    expected = torch.zeros_like(result.token_level_scores)
+    expected[torch.arange(3), last] = result.scores
+    assert result.token_level_scores.dtype == torch.float32
+    assert torch.equal(result.token_level_scores, expected)
+    assert result.extra["reward_status"] == ["ok", "ok", "ok"]
+    assert result.extra["extracted_answer"] == ["8", None, entry["answer"]]
+    assert result.metrics["reward/errors"] == 0
+    assert result.metrics["reward/score_mean"] == pytest.approx((2.25 + 1.1) / 3)
+    assert result.metrics["reward/answer_score_mean"] == pytest.approx(2 / 3)
+    result.write_to(batch)
+    assert batch["reward_extra_info"][0]["format_score"] == 1.25
+    assert torch.equal(batch["token_level_scores"], result.token_level_scores)
+
+
+def test_manager_worker_pool_end_to_end(pool_manager, tok) -> None:
+    texts = ["abc", "PRINT", "hello world"]
+    batch = make_batch(tok, texts, [1, {"k": [1, 2]}, "x"])
+    result = pool_manager(batch)
+    assert result.scores.tolist() == [3.0, 5.0, 11.0]
+    assert result.extra["echo"] == [1, {"k": [1, 2]}, "x"]
+    assert result.extra["reward_status"] == ["ok"] * 3
+    rows, cols = result.token_level_scores.nonzero(as_tuple=True)
+    assert rows.tolist() == [0, 1, 2]
+    assert cols.tolist() == [len(t) for t in texts]  # the EOS after the text's bytes
+    assert result.metrics["reward/score_mean"] == pytest.approx(19 / 3)
+
+
+def test_submit_returns_at_once(pool_manager, tok) -> None:
+    batch = make_batch(tok, ["SLEEP a", "SLEEP b"], [0, 0])
+    start = time.monotonic()
+    future = pool_manager.submit(batch)
+    assert time.monotonic() - start < 0.3 and not future.done()
+    assert future.result(timeout=30).scores.tolist() == [7.0, 7.0]
+
+
+def test_scorer_error_gives_fallback_and_message(pool_manager, tok) -> None:
+    result = pool_manager(make_batch(tok, ["fine", "RAISE"], [0, 0]))
+    assert result.scores.tolist() == [4.0, -5.0]
+    assert result.extra["reward_status"] == ["ok", "error"]
+    assert result.extra["reward_error"][0] is None
+    assert "ValueError: scorer exploded on purpose" in result.extra["reward_error"][1]
+    assert result.metrics["reward/errors"] == 1 and result.metrics["reward/timeouts"] == 0
+
+
+def test_nan_score_gives_fallback(pool_manager, tok) -> None:
+    result = pool_manager(make_batch(tok, ["NAN", "ok"], [0, 0]))
+    assert result.scores.tolist() == [-5.0, 2.0]
+    assert result.extra["reward_status"] == ["nan", "ok"]
+    assert result.metrics["reward/nan"] == 1 and result.metrics["reward/errors"] == 0
+    assert torch.isfinite(result.token_level_scores).all()
+
+
+def test_hanging_scorer_times_out_and_worker_is_replaced(pool_manager, tok) -> None:
+    start = time.monotonic()
+    result = pool_manager(make_batch(tok, ["HANG", "fast"], [0, 0]))
+    assert time.monotonic() - start < 8
+    assert result.scores.tolist() == [-5.0, 4.0]
+    assert result.extra["reward_status"] == ["timeout", "ok"]
+    assert result.metrics["reward/timeouts"] == 1
+    again = pool_manager(make_batch(tok, ["abcd", "ab", "a"], [0, 0, 0]))
+    assert again.scores.tolist() == [4.0, 2.0, 1.0]
+
+
+def test_in_process_mode_runs_a_locally_registered_scorer(tok) -> None:
+    @register_scorer("local_task")
+    def local(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+        return {"score": float(solution_str == ground_truth) + bonus, "seen": extra_info["k"]}
+
+    try:
+        cfg = RewardConfig(num_workers=0, scorer_kwargs={"bonus": 0.5})
+        with RewardManager(cfg, tok) as manager:
+            result = manager(
+                make_batch(tok, ["yes", "no"], ["yes", "yes"], "local_task/a", [{"k": 1}, {"k": 2}])
+            )
+    finally:
+        del SCORERS["local_task"]
+    assert result.scores.tolist() == [1.5, 0.5]
+    assert result.extra["seen"] == [1, 2]
+
+
+def test_bad_inputs_raise_naming_the_sample(tok) -> None:
+    with RewardManager(RewardConfig(num_workers=0), tok) as manager:
+        with pytest.raises(TypeError, match="sample 1: ground_truth"):
+            manager.submit(make_batch(tok, ["a", "b"], ["8", {1, 2}], "gsm8k"))
+        with pytest.raises(ValueError, match="'mystery'"):
+            manager.submit(make_batch(tok, ["a"], ["8"], "mystery"))
+
+
+# ---- reward model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory: pytest.TempPathFactory, tok) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=PAD,
+    )
+    path = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_reward_model_worker_shapes(rm_dir: Path, tok) -> None:
+    rm = RewardModelWorker(
+        RewardModelConfig(enable=True, path=str(rm_dir), micro_batch_size=2), tok
+    )
+    batch = make_batch(
+        tok, ["one", "a longer answer", "mid one"], [0, 0, 0], eos=[True, False, True]
+    )
+    rm_scores = rm.compute_rm_score(batch)
+    assert rm_scores.shape == batch["responses"].shape and rm_scores.dtype == torch.float32
+    last = batch["response_mask"].sum(-1) - 1
+    assert (rm_scores.count_nonzero(dim=-1) == 1).all()
+    single = []
+    for i, text in enumerate(["one", "a longer answer", "mid one"]):
+        conv = [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": text},
+        ]
+        ids = tok(tok.apply_chat_template(conv, tokenize=False), return_tensors="pt")
+        with torch.no_grad():
+            single.append(float(rm.model(**ids).logits[0, 0]))
+    torch.testing.assert_close(rm_scores[torch.arange(3), last], torch.tensor(single))
+
+
+def test_manager_combines_reward_model(rm_dir: Path, tok) -> None:
+    texts = ["<think>t</think><answer>8</answer>", "<answer>3</answer>"]
+    batch = make_batch(tok, texts, ["8", "8"], "gsm8k")
+    rm_cfg = RewardModelConfig(enable=True, path=str(rm_dir), mode="add")
+    with RewardManager(RewardConfig(num_workers=0, reward_model=rm_cfg), tok) as manager:
+        added = manager(batch)
+    rm_only = added.extra["rm_score"]
+    assert added.scores.tolist() == pytest.approx([2.25 + rm_only[0], 0.0 + rm_only[1]])
+    assert added.rm_scores is not None and added.rm_scores.shape == added.token_level_scores.shape
+    rm_cfg.mode = "replace"
+    del batch["data_source"]  # replace mode needs no rule scorer
+    with RewardManager(RewardConfig(num_workers=0, reward_model=rm_cfg), tok) as manager:
+        replaced = manager(batch)
+    assert replaced.scores.tolist() == pytest.approx(rm_only)
+    assert math.isclose(replaced.metrics["reward/rm_score_mean"], sum(rm_only) / 2, rel_tol=1e-5)
