@@ -177,13 +177,21 @@ def test_reasoning_gym_scorer_uses_the_task_scorer() -> None:
     assert out["extracted_answer"] == entry["answer"]
     wrong = reasoning_gym_score("reasoning_gym/chain_sum", "<answer>123456</answer>", "", info)
     assert wrong["score"] == pytest.approx(0.1) and wrong["answer_score"] == 0.0
-    none = reasoning_gym_score("reasoning_gym/chain_sum", entry["answer"], "", info)
-    assert none == {
-        "score": 0.0,
-        "answer_score": 0.0,
+    untagged = reasoning_gym_score(
+        "reasoning_gym/chain_sum", f"so it is {entry['answer']}.", "", info
+    )
+    assert untagged == {
+        "score": 0.5,
+        "answer_score": 1.0,
         "format_score": 0.0,
-        "extracted_answer": None,
+        "extracted_answer": entry["answer"],
     }
+    none = reasoning_gym_score(
+        "reasoning_gym/chain_sum", entry["answer"], "", info, untagged_weight=0.0
+    )
+    assert none["score"] == 0.0 and none["extracted_answer"] is None
+    words = reasoning_gym_score("reasoning_gym/chain_sum", "no idea", "", info)
+    assert words["score"] == 0.0 and words["extracted_answer"] is None
     weighted = reasoning_gym_score(
         "reasoning_gym/chain_sum", right, "", info, answer_weight=2.0, format_weight=0.5
     )

@@ -116,6 +116,12 @@ def _rg_score_fn(name: str) -> Any:
     return reasoning_gym.get_score_answer_fn(name)
 
 
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (e.g. "2 + 3 = 5." -> "5"), or None."""
+    found = [m.group(0) for m in _NUMBER.finditer(text)]
+    return found[-1].rstrip(".") if found else None
+
+
 def reasoning_gym_score(
     data_source: str,
     solution_str: str,
@@ -123,17 +129,21 @@ def reasoning_gym_score(
     extra_info: dict[str, Any] | None = None,
     answer_weight: float = 1.0,
     format_weight: float = 0.1,
+    untagged_weight: float = 0.5,
     require_think: bool = False,
 ) -> dict[str, Any]:
-    """reasoning_gym task reward: answer_weight * answer_score + format_weight * format_ok.
+    """reasoning_gym task reward:
+    answer_weight * answer_score * (1 if tagged else untagged_weight) + format_weight * format_ok.
 
     answer_score in [0, 1] is the task's own ``score_answer(answer, entry)`` on the last
-    ``<answer>`` content (0 without one). The dataset is ``entry["metadata"]["source_dataset"]``,
-    else the part after "reasoning_gym/" in ``data_source``. ``entry`` is
-    ``extra_info["rg_entry"]`` (question, answer, metadata); without it,
-    ``{"answer": ground_truth, "metadata": {}}`` (enough for tasks that compare answers only).
-    format_ok: one ``<answer>`` block ends the response (spec 003's think+answer layout when
-    ``require_think``).
+    ``<answer>`` content; without one, on the last number of the text, discounted by
+    ``untagged_weight`` (so a small model that answers in plain text still gets a learning
+    signal, and moving the answer into tags pays; 0 turns the fallback off). The dataset is
+    ``entry["metadata"]["source_dataset"]``, else the part after "reasoning_gym/" in
+    ``data_source``. ``entry`` is ``extra_info["rg_entry"]`` (question, answer, metadata);
+    without it, ``{"answer": ground_truth, "metadata": {}}`` (enough for tasks that compare
+    answers only). format_ok: one ``<answer>`` block ends the response (spec 003's
+    think+answer layout when ``require_think``).
     """
     entry = (extra_info or {}).get("rg_entry") or {
         "question": "",
@@ -147,11 +157,14 @@ def reasoning_gym_score(
             "(expected 'reasoning_gym/<task>' or rg_entry.metadata.source_dataset)"
         )
     answer = extract_answer(solution_str)
+    weight = 1.0
+    if answer is None and untagged_weight > 0:
+        answer, weight = last_number(solution_str), untagged_weight
     answer_score = float(_rg_score_fn(name)(answer, entry)) if answer is not None else 0.0
     format_check = think_answer_format_ok if require_think else answer_format_ok
     format_score = float(format_check(solution_str))
     return {
-        "score": answer_weight * answer_score + format_weight * format_score,
+        "score": answer_weight * answer_score * weight + format_weight * format_score,
         "answer_score": answer_score,
         "format_score": format_score,
         "extracted_answer": answer,
