@@ -34,12 +34,16 @@ def build_once(target: Path, build: Callable[[Path], None], message: str | None 
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if target.is_dir():
             return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed build
+            shutil.rmtree(stale, ignore_errors=True)
         if message:
             print(message, file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
             build(tmp)
+            for path in tmp.rglob("*"):  # some writers create files private (0600)
+                path.chmod(0o755 if path.is_dir() else 0o644)
             os.rename(tmp, target)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
