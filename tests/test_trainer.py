@@ -71,6 +71,9 @@ def test_two_steps_through_every_stage(
     assert len(set(batch["uid"])) == cfg.data.train_batch_size
     mask = batch["response_mask"].bool()
     assert (batch["advantages"][~mask] == 0).all()
+    # on-policy at temperature 1, no top-k/top-p: the recomputed log-probs are the sampler's
+    old, rollout = batch["old_log_probs"][mask], batch["rollout_log_probs"][mask]
+    torch.testing.assert_close(old, rollout, atol=1e-4, rtol=0)
     metrics = read_metrics(tmp_path / preset)
     assert set(metrics) == {0, 1, 2}
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
@@ -98,3 +101,18 @@ def test_resume_from_step_one_reproduces_step_two(tmp_path: Path) -> None:
     a = load_file(str(full / "checkpoints" / "step_000002" / "actor.model.safetensors"))
     b = load_file(str(resumed / "checkpoints" / "step_000002" / "actor.model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "actor.use_rollout_log_probs=true", "trainer.total_steps=1")
+    trainer = RLTrainer(cfg)
+    assert trainer.reuse_rollout_log_probs
+    trainer.fit()
+    batch = trainer.last_batch
+    assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    assert "timing_s/old_log_prob" in read_metrics(tmp_path)[1]
+    assert read_metrics(tmp_path)[1]["actor/entropy"] > 0
+    topk = RLTrainer(
+        tiny_config(tmp_path / "k", "actor.use_rollout_log_probs=true", "rollout.top_k=5")
+    )
+    assert not topk.reuse_rollout_log_probs  # top-k sampling is not the actor's distribution

@@ -87,6 +87,14 @@ class RLTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+        # Provably on-policy: the HF engine samples with the actor's own weights, and without
+        # top-k/top-p its sampling distribution is the actor's at the same temperature.
+        self.reuse_rollout_log_probs = (
+            cfg.actor.use_rollout_log_probs
+            and cfg.rollout.engine == "hf"
+            and cfg.rollout.top_k <= 0
+            and cfg.rollout.top_p >= 1.0
+        )
         self.n = cfg.rollout.n
         self._build_data()
         self._build_models()
@@ -210,13 +218,15 @@ class RLTrainer:
         greedy = self.rollout.generate(prompts, greedy=True)
         batch["reward_baselines"] = self.reward(greedy).scores.float()
 
-    def old_log_probs(self, batch: Batch) -> dict[str, float]:
-        temperature = self.cfg.rollout.temperature
-        log_probs, entropy = self.actor.compute_log_prob(batch, temperature)
+    def old_log_probs(self, batch: Batch) -> None:
+        """log pi_old of the responses: recomputed by the actor, or, when the rollout sampled
+        from exactly the actor's distribution (``reuse_rollout_log_probs``), taken from it."""
+        if self.reuse_rollout_log_probs:
+            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+            return
+        log_probs, entropy = self.actor.compute_log_prob(batch, self.cfg.rollout.temperature)
         batch["old_log_probs"] = log_probs
         batch["entropys"] = entropy
-        mask = batch["response_mask"].float()
-        return {"actor/entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1))}
 
     def ref_log_probs(self, batch: Batch) -> None:
         temperature = self.cfg.rollout.temperature
@@ -271,7 +281,7 @@ class RLTrainer:
             batch, _, reward_metrics = self.collect(timing)
             metrics.update(reward_metrics)
             with Timer("old_log_prob", timing):
-                metrics.update(self.old_log_probs(batch))
+                self.old_log_probs(batch)
         else:
             prompts = self.next_prompts()
             with Timer("gen", timing):
@@ -284,7 +294,7 @@ class RLTrainer:
                 with Timer("reward", timing):
                     result = future.result()
             with Timer("old_log_prob", timing):
-                metrics.update(self.old_log_probs(batch))
+                self.old_log_probs(batch)
             if cfg.reward.async_reward:
                 with Timer("reward_wait", timing):
                     result = future.result()

@@ -118,7 +118,7 @@ class ActorWorker:
             m = micro["response_mask"]
             share = float(m.sum()) / total_tokens
             log_prob, entropy = policy_forward(
-                self.model, micro, temperature, with_entropy=cfg.entropy_coeff != 0
+                self.model, micro, temperature, True, entropy_grad=cfg.entropy_coeff != 0
             )
             weights = micro.get("rollout_is_weights", None)
             pg_loss, pg_metrics = loss_fn(
@@ -132,10 +132,10 @@ class ActorWorker:
                 **agg,
             )
             loss = pg_loss
-            if entropy is not None:
-                entropy_loss = agg_loss(entropy, m, cfg.loss_agg_mode, **agg)
+            entropy_loss = agg_loss(entropy, m, cfg.loss_agg_mode, **agg)
+            if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy_loss
-                metrics["actor/entropy"] += float(entropy_loss.detach())
+            metrics["actor/entropy"] += float(entropy_loss.detach())
             if cfg.use_kl_loss:
                 kld = kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
                 kl_loss = agg_loss(kld, m, cfg.loss_agg_mode, **agg)

@@ -56,9 +56,11 @@ def policy_forward(
     batch: Batch,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log pi(y_t | s_t) (B, T) of the responses under ``model`` at ``temperature``,
-    and the entropy of pi(. | s_t) when asked; 0 beyond each micro-batch's last response column.
+    and the entropy of pi(. | s_t) when asked (without a gradient when ``entropy_grad`` is
+    False: a metric only); 0 beyond each micro-batch's last response column.
     """
     window = trim(batch)
     t = window.width
@@ -73,7 +75,12 @@ def policy_forward(
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, window.responses)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy and entropy_grad:
+        entropy = entropy_from_logits(logits)
+    elif with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
     full_t = batch["responses"].shape[1]
     if t < full_t:
         pad = (0, full_t - t)
