@@ -29,6 +29,7 @@ def tiny_config(out: Path, *extra: str):
             "actor.ppo_mini_batch_size=1",
             "actor.ppo_micro_batch_size=2",
             "actor.optim.lr=1e-3",
+            "actor.use_rollout_log_probs=false",
             "reward.num_workers=1",
             "trainer.total_steps=2",
             "trainer.save_freq=1",

@@ -162,3 +162,26 @@ def test_critic_values_are_aligned_and_update_runs() -> None:
     assert metrics["critic/vf_loss"] > 0 and "critic/vf_clipfrac" in metrics
     with torch.no_grad():
         assert not torch.allclose(value_forward(critic, batch), values)
+
+
+def test_bf16_autocast_update_stays_close_to_float32() -> None:
+    base = tiny_lm()
+    batch = actor_batch(base)
+    grads = []
+    for autocast in ("none", "bf16"):
+        model = copy.deepcopy(base)
+        cfg = ActorConfig(ppo_mini_batch_size=4, shuffle=False, autocast=autocast)
+        worker = ActorWorker(model, cfg)
+        step = worker.optimizer.step
+
+        def spy(*args, step=step, model=model, **kwargs):
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            return step(*args, **kwargs)
+
+        worker.optimizer.step = spy
+        metrics = worker.update_policy(batch, temperature=1.0, n_per_prompt=1)
+        assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+    cosine = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cosine > 0.99
+    with pytest.raises(ValueError, match="autocast"):
+        ActorWorker(tiny_lm(), ActorConfig(autocast="fp8"))

@@ -120,7 +120,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     kl_loss_coef: float = 0.001
     entropy_coeff: float = 0.0
-    use_rollout_log_probs: bool = False  # reuse rollout log-probs as old_log_probs when on-policy
+    use_rollout_log_probs: bool = True  # reuse rollout log-probs as old_log_probs when on-policy
+    autocast: str = "none"  # "bf16": bfloat16 autocast for the update's forward/backward
 
 
 @dataclass
