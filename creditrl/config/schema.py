@@ -52,7 +52,7 @@ class RolloutConfig:
 
     engine: str = "hf"
     n: int = 4
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_k: int = -1  # -1: off
     top_p: float = 1.0
     max_response_length: int = 96
@@ -100,7 +100,7 @@ class OptimConfig:
 class ActorConfig:
     """Policy updates (verl's ``actor_rollout_ref.actor``)."""
 
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
     ppo_mini_batch_size: int = 4  # prompts per optimizer step (x rollout.n trajectories)
     ppo_micro_batch_size: int = 8  # trajectories per forward/backward
     log_prob_micro_batch_size: int = 16  # trajectories per log-prob forward
@@ -121,7 +121,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     entropy_coeff: float = 0.0
     use_rollout_log_probs: bool = True  # reuse rollout log-probs as old_log_probs when on-policy
-    autocast: str = "none"  # "bf16": bfloat16 autocast for the update's forward/backward
+    autocast: str = "bf16"  # "none" | "bf16": bfloat16 autocast of the update's forward/backward
 
 
 @dataclass
@@ -200,7 +200,7 @@ class TrainerConfig:
     total_steps: int = 30
     output_dir: str = "runs/default"  # metrics.jsonl, rollouts/, checkpoints/
     save_freq: int = 10  # steps; 0: only at the end
-    test_freq: int = 5  # steps; 0: never
+    test_freq: int = 10  # steps; 0: never
     val_before_train: bool = True
     critic_warmup: int = 0  # steps of critic-only updates
     backend: str = "local"  # local | ray

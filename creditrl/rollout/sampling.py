@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["filter_logits", "sample_next_tokens"]
+__all__ = ["filter_logits", "inverse_cdf_sample", "sample_next_tokens"]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -42,6 +42,19 @@ def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> 
     return logits
 
 
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token i of each row of ``probs`` (N, V) such that cdf[i-1] <= u * cdf[-1] < cdf[i].
+
+    ``uniforms`` (N,) in [0, 1). The CDF is summed in float64, so a token's chance is its
+    probability to ~1e-15; a zero-probability token is never chosen. One uniform per row costs
+    a cumsum and a binary search, about 10x less than ``torch.multinomial`` over 49k tokens.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.double()[:, None] * total, total.nextafter(total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
 def sample_next_tokens(
     logits: torch.Tensor,
     *,
@@ -50,12 +63,14 @@ def sample_next_tokens(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of ``logits`` (N, V).
 
     Returns ``(tokens, log_probs)``: int64 (N,) and float32 (N,), the log-prob of each token
     under the sampling distribution described in the module docstring (greedy: under
-    ``log_softmax(logits)``). Sampling draws from ``generator`` (on the logits' device).
+    ``log_softmax(logits)``). Sampling uses ``uniforms`` (N,) in [0, 1) if given, else draws
+    them from ``generator`` (on the logits' device); see ``inverse_cdf_sample``.
     """
     logits = logits.float()
     if greedy:
@@ -66,5 +81,7 @@ def sample_next_tokens(
         raise ValueError(f"sampling needs temperature > 0, got {temperature} (use greedy=True)")
     scaled = logits / temperature if temperature != 1.0 else logits
     log_probs = filter_logits(scaled, top_k, top_p).log_softmax(dim=-1)
-    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    if uniforms is None:
+        uniforms = torch.rand(len(logits), generator=generator, device=logits.device)
+    tokens = inverse_cdf_sample(log_probs.exp(), uniforms)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

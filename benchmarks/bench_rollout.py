@@ -1,0 +1,183 @@
+"""Time HFRolloutEngine.generate() against transformers' model.generate() on the embedded model.
+
+Run: .venv/bin/python benchmarks/bench_rollout.py [--repeats 3] [--threads 2] [--only a,b]
+
+The main job's rollout: 4 chain_sum prompts x 4 trajectories, up to 96 new tokens, temperature
+1, SmolLM2-135M-Instruct in float32. Each variant runs ``--repeats`` times with seeds 0, 1, ...
+(ours: the engine seed; HF: torch.manual_seed) and reports the median wall time, the valid
+response tokens per second, and for ours the prefill/decode split and the decode rows (rows
+summed over decode forwards: the work the removal of finished rows saves). "full" variants
+never stop at EOS (HF: ``min_new_tokens``), so both sides generate exactly 16 x 96 tokens.
+bf16 also reports how far its rollout_log_probs are from a float32 teacher-forced forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from creditrl import Batch
+from creditrl.config.schema import DataConfig, RolloutConfig
+from creditrl.data import build_datasets
+from creditrl.models.embedded import embedded_model_dir
+from creditrl.models.tokenizer import load_tokenizer
+from creditrl.rollout import HFRolloutEngine, hf_engine
+
+PROMPTS, N, MAX_NEW = 4, 4, 96
+
+
+@dataclass
+class Result:
+    seconds: list[float]
+    tokens: list[float]
+    notes: str = ""
+
+    def line(self, name: str) -> str:
+        median = statistics.median(self.seconds)
+        tokens = statistics.median(self.tokens)
+        return (
+            f"{name:<22} median {median:6.2f} s  (min {min(self.seconds):6.2f})  "
+            f"tokens {tokens:6.0f}  {tokens / median:7.1f} tok/s  {self.notes}"
+        )
+
+
+def prompt_batch(tokenizer) -> Batch:
+    """4 chain_sum prompts (the main job's data config), each repeated N times."""
+    train, _ = build_datasets(DataConfig(train_size=PROMPTS, val_size=0), tokenizer)
+    return train.batch(list(range(PROMPTS))).repeat(N)
+
+
+def teacher_forced(model: PreTrainedModel, out: Batch) -> torch.Tensor:
+    width = out["responses"].shape[1]
+    with torch.inference_mode():
+        logits = model(
+            input_ids=out["input_ids"],
+            attention_mask=out["attention_mask"],
+            position_ids=out["position_ids"],
+        ).logits[:, -width - 1 : -1]
+    log_probs = logits.float().log_softmax(-1)
+    return log_probs.gather(-1, out["responses"][..., None]).squeeze(-1)
+
+
+def run_ours(model, tokenizer, prompts, repeats, reference=None, **options) -> Result:
+    cfg = RolloutConfig(max_response_length=MAX_NEW, micro_batch_size=64)
+    engine = HFRolloutEngine(model, tokenizer, cfg, **options)
+    engine.generate(prompts[:2], seed=123)  # warm-up
+    seconds, tokens, stats, errors = [], [], [], []
+    for seed in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, seed=seed)
+        seconds.append(time.perf_counter() - start)
+        tokens.append(float(out["response_mask"].sum()))
+        stats.append(engine.last_stats)
+        if reference is not None:
+            valid = out["response_mask"].bool()
+            diff = (out["rollout_log_probs"] - teacher_forced(reference, out)).abs()[valid]
+            errors.append((diff.max().item(), diff.mean().item()))
+    notes = (
+        f"prefill {statistics.median(s['prefill_s'] for s in stats):.2f} s, "
+        f"decode {statistics.median(s['decode_s'] for s in stats):.2f} s, "
+        f"decode rows {statistics.median(s['decode_rows'] for s in stats):.0f}"
+    )
+    if errors:
+        notes += (
+            f", |logp - fp32 teacher-forced| max {max(e[0] for e in errors):.2e} "
+            f"mean {statistics.mean(e[1] for e in errors):.2e}"
+        )
+    return Result(seconds, tokens, notes)
+
+
+def plain_dynamic_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def run_ours_without(measure: str, *args, **kwargs) -> Result:
+    """run_ours with one of the engine's CPU measures switched off."""
+    saved = hf_engine.SMALL_BATCH_ROWS, hf_engine.preallocated_cache
+    if measure == "weight_major":
+        hf_engine.SMALL_BATCH_ROWS = 0
+    else:
+        hf_engine.preallocated_cache = plain_dynamic_cache
+    try:
+        return run_ours(*args, **kwargs)
+    finally:
+        hf_engine.SMALL_BATCH_ROWS, hf_engine.preallocated_cache = saved
+
+
+def run_hf(model, tokenizer, prompts, repeats, **options) -> Result:
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=MAX_NEW,
+        pad_token_id=tokenizer.pad_token_id,
+        **options,
+    )
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], **kwargs)  # warm-up
+    seconds, tokens = [], []
+    for seed in range(repeats):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        responses = out[:, ids.shape[1] :]
+        is_eos = responses == tokenizer.eos_token_id
+        after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # pad after the first EOS
+        tokens.append(float((~after_eos).sum()))
+    return Result(seconds, tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--only", default="", help="comma-separated variant names")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model_dir or str(embedded_model_dir())
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompt_batch(tokenizer)
+    print(
+        f"{len(prompts)} trajectories ({PROMPTS} prompts x {N}), prompt width "
+        f"{prompts['input_ids'].shape[1]}, up to {MAX_NEW} new tokens, torch threads "
+        f"{torch.get_num_threads()}, {args.repeats} repeats"
+    )
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    r = args.repeats
+    variants: dict[str, Callable[[], Result]] = {
+        "ours": lambda: run_ours(model, tokenizer, prompts, r, reference=model),
+        "ours-keep-finished": lambda: run_ours(model, tokenizer, prompts, r, remove_finished=False),
+        "ours-concat-cache": lambda: run_ours_without("prealloc", model, tokenizer, prompts, r),
+        "ours-linear-as-is": lambda: run_ours_without("weight_major", model, tokenizer, prompts, r),
+        "ours-eager": lambda: run_ours(eager, tokenizer, prompts, r),
+        "ours-bf16": lambda: run_ours(bf16, tokenizer, prompts, r, reference=model),
+        "hf": lambda: run_hf(model, tokenizer, prompts, r),
+        "hf-static-cache": lambda: run_hf(
+            model, tokenizer, prompts, r, cache_implementation="static"
+        ),
+        "ours-full": lambda: run_ours(model, tokenizer, prompts, r, eos_token_ids=[]),
+        "hf-full": lambda: run_hf(model, tokenizer, prompts, r, min_new_tokens=MAX_NEW),
+    }
+    only = [v for v in args.only.split(",") if v]
+    for name, run in variants.items():
+        if not only or name in only:
+            print(run().line(name), flush=True)
+
+
+if __name__ == "__main__":
+    main()

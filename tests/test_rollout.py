@@ -1,0 +1,371 @@
+"""HFRolloutEngine and the sampling functions, with a tiny random Llama (float32)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from creditrl import Batch
+from creditrl.config.schema import RolloutConfig
+from creditrl.models.tiny import tiny_model_dir
+from creditrl.models.tokenizer import load_tokenizer
+from creditrl.rollout import HFRolloutEngine, eos_token_ids_of, filter_logits, sample_next_tokens
+from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
+from creditrl.rollout.sampling import inverse_cdf_sample
+
+PAD = 2
+FIELDS = {
+    "prompts": torch.int64,
+    "responses": torch.int64,
+    "response_mask": torch.int64,
+    "input_ids": torch.int64,
+    "attention_mask": torch.int64,
+    "position_ids": torch.int64,
+    "rollout_log_probs": torch.float32,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:
+    """Left-padded prompt batch (pad id 2), each row repeated ``repeat`` times in a row."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows]).repeat_interleave(repeat, 0)
+    lengths = torch.tensor([len(r) for r in rows]).repeat_interleave(repeat)
+    mask = (torch.arange(width)[None] >= width - lengths[:, None]).long()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    n = len(ids)
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+        {"index": list(range(n)), "ground_truth": [str(i) for i in range(n)]},
+        {"step": 3},
+    )
+
+
+PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 905, 906, 907]]
+
+
+def engine(model, tokenizer, **overrides) -> HFRolloutEngine:
+    options = {
+        k: overrides.pop(k) for k in ("seed", "eos_token_ids", "remove_finished") if k in overrides
+    }
+    cfg = replace(RolloutConfig(max_response_length=12, micro_batch_size=64), **overrides)
+    return HFRolloutEngine(model, tokenizer, cfg, **options)
+
+
+def teacher_forced_log_probs(model, out: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits[:, -T-1:-1] / temperature)[responses] from one full forward."""
+    width = out["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"],
+            attention_mask=out["attention_mask"],
+            position_ids=out["position_ids"],
+        ).logits[:, -width - 1 : -1]
+    log_probs = (logits.float() / temperature).log_softmax(-1)
+    return log_probs.gather(-1, out["responses"][..., None]).squeeze(-1)
+
+
+def count_forward_rows(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    sizes: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    return sizes, handle
+
+
+# ---- output fields ---------------------------------------------------------------------------
+
+
+def test_output_fields_shapes_dtypes_and_layout(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    out = engine(model, tokenizer).generate(prompts)
+    b, p = prompts["input_ids"].shape
+    t = out["responses"].shape[1]
+    assert t == int(out["response_mask"].sum(1).max()) and 1 <= t <= 12
+    shapes = {"prompts": (b, p), "input_ids": (b, p + t), "attention_mask": (b, p + t)}
+    shapes["position_ids"] = (b, p + t)
+    for name, dtype in FIELDS.items():
+        assert out[name].dtype == dtype, name
+        assert tuple(out[name].shape) == shapes.get(name, (b, t)), name
+    assert torch.equal(out["prompts"], prompts["input_ids"])
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    mask = torch.cat([prompts["attention_mask"], out["response_mask"]], 1)
+    assert torch.equal(out["attention_mask"], mask)
+    assert torch.equal(out["position_ids"], (mask.cumsum(1) - 1).clamp(min=0))
+    assert out["ground_truth"].tolist() == [str(i) for i in range(b)]
+    assert out.meta == {"step": 3}
+    assert prompts["input_ids"].shape == (b, p)  # the input batch is not modified
+
+
+def test_eos_masks_padding_and_zero_log_probs(model, tokenizer):
+    stop_ids = list(range(0, 49152, 6))  # about 1 in 6 tokens ends a response
+    rollout = engine(model, tokenizer, eos_token_ids=stop_ids, max_response_length=10, seed=1)
+    out = rollout.generate(prompt_batch(PROMPTS, repeat=4))
+    responses, mask, log_probs = out["responses"], out["response_mask"], out["rollout_log_probs"]
+    lengths = mask.sum(1)
+    assert lengths.min() < lengths.max() <= 10  # some rows stop early
+    stops = torch.isin(responses, torch.tensor(stop_ids))
+    for row, n in enumerate(lengths.tolist()):
+        assert mask[row, :n].eq(1).all() and mask[row, n:].eq(0).all(), row
+        assert not stops[row, : n - 1].any(), row  # no EOS before the last valid token
+        assert bool(stops[row, n - 1]) or n == 10, row  # ends with EOS, or hit the limit
+        assert responses[row, n:].eq(PAD).all(), row
+        assert log_probs[row, n:].eq(0).all(), row
+        assert torch.isfinite(log_probs[row, :n]).all() and log_probs[row, :n].le(0).all(), row
+
+
+def test_default_eos_ids_come_from_tokenizer_and_generation_config(model, tokenizer):
+    assert tokenizer.eos_token_id == 2
+    model.generation_config.eos_token_id = [2, 7]
+    try:
+        assert eos_token_ids_of(model, tokenizer) == [2, 7]
+        assert engine(model, tokenizer).eos_token_ids.tolist() == [2, 7]
+    finally:
+        model.generation_config.eos_token_id = 2
+
+
+# ---- determinism and padding invariance -----------------------------------------------------
+
+
+def test_greedy_is_deterministic_and_temperature_zero_is_greedy(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    rollout = engine(model, tokenizer)
+    first = rollout.generate(prompts, greedy=True)
+    assert first.equals(rollout.generate(prompts, greedy=True))
+    assert first.equals(rollout.generate(prompts, temperature=0.0))
+    assert torch.equal(first["responses"][0], first["responses"][1])  # same prompt, same output
+
+
+def test_same_seed_same_samples(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    a = engine(model, tokenizer, seed=5).generate(prompts)
+    b = engine(model, tokenizer, seed=5).generate(prompts)
+    c = engine(model, tokenizer, seed=6).generate(prompts)
+    assert a.equals(b)
+    assert not torch.equal(a["responses"], c["responses"])
+    rollout = engine(model, tokenizer, seed=0)
+    assert rollout.generate(prompts, seed=5).equals(a)
+
+
+def test_left_padded_prompt_generates_what_it_generates_alone(model, tokenizer):
+    short, long = PROMPTS[1], PROMPTS[2]
+    rollout = engine(model, tokenizer)
+    alone = rollout.generate(prompt_batch([short]), greedy=True)
+    beside = rollout.generate(prompt_batch([long, short]), greedy=True)
+    assert torch.equal(beside["responses"][1], alone["responses"][0])
+    torch.testing.assert_close(
+        beside["rollout_log_probs"][1], alone["rollout_log_probs"][0], atol=1e-5, rtol=0
+    )
+
+
+def test_micro_batches_give_the_same_greedy_output(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    whole = engine(model, tokenizer).generate(prompts, greedy=True)
+    split = engine(model, tokenizer, micro_batch_size=4).generate(prompts, greedy=True)
+    assert torch.equal(whole["responses"], split["responses"])
+    torch.testing.assert_close(
+        whole["rollout_log_probs"], split["rollout_log_probs"], atol=1e-5, rtol=0
+    )
+
+
+# ---- log-prob alignment (acceptance) ---------------------------------------------------------
+
+
+def test_rollout_log_probs_match_teacher_forced_forward(model, tokenizer):
+    rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 8)), seed=3)
+    out = rollout.generate(prompt_batch(PROMPTS, repeat=3), temperature=1.0)
+    valid = out["response_mask"].bool()
+    assert valid.sum() > len(valid)  # more than one token per row on average
+    expected = teacher_forced_log_probs(model, out)
+    diff = (out["rollout_log_probs"] - expected).abs()[valid]
+    assert diff.max() < 1e-4
+
+
+def test_log_probs_use_the_temperature(model, tokenizer):
+    out = engine(model, tokenizer, seed=4).generate(prompt_batch(PROMPTS), temperature=0.7)
+    expected = teacher_forced_log_probs(model, out, temperature=0.7) * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_log_probs_are_of_the_unscaled_distribution(model, tokenizer):
+    out = engine(model, tokenizer).generate(prompt_batch(PROMPTS), greedy=True)
+    expected = teacher_forced_log_probs(model, out) * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-4, rtol=0)
+
+
+# ---- top-k / top-p ---------------------------------------------------------------------------
+
+
+def test_top_k_one_equals_greedy(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    greedy = engine(model, tokenizer).generate(prompts, greedy=True)
+    top1 = engine(model, tokenizer, top_k=1, seed=9).generate(prompts, temperature=1.3)
+    assert torch.equal(top1["responses"], greedy["responses"])
+    assert top1["rollout_log_probs"].eq(0).all()  # one token left: probability 1
+
+
+def test_top_p_never_samples_a_filtered_token(model, tokenizer):
+    rollout = engine(model, tokenizer, top_p=0.3, top_k=50, seed=2)
+    out = rollout.generate(prompt_batch(PROMPTS, repeat=4), temperature=0.5)
+    valid = out["response_mask"].bool()
+    assert torch.isfinite(out["rollout_log_probs"][valid]).all()
+    width = out["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"],
+            attention_mask=out["attention_mask"],
+            position_ids=out["position_ids"],
+        ).logits[:, -width - 1 : -1]
+    kept = filter_logits(logits / 0.5, top_k=50, top_p=0.3)
+    chosen = kept.gather(-1, out["responses"][..., None]).squeeze(-1)
+    assert torch.isfinite(chosen[valid]).all()
+
+
+def test_filter_logits_on_a_known_distribution():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[False, True, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.81)).tolist() == [[False, False, False, True]]
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]
+    assert torch.equal(filter_logits(logits), logits)
+    with pytest.raises(ValueError, match="top_p"):
+        filter_logits(logits, top_p=0.0)
+
+
+def test_sample_next_tokens_log_probs_are_renormalised():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, log_probs = sample_next_tokens(logits, temperature=2.0, top_k=2, generator=gen)
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.tensor([1.0, 0.5]).log_softmax(-1)
+    torch.testing.assert_close(log_probs, expected[tokens])
+    assert abs(tokens.eq(0).float().mean().item() - expected.exp()[0].item()) < 0.05
+
+
+def test_inverse_cdf_sample_never_picks_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.999, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, uniforms).tolist() == [1, 1, 3, 3, 3]
+    unnormalised = torch.tensor([[2.0, 0.0, 6.0]])
+    assert inverse_cdf_sample(unnormalised, torch.tensor([0.2])).tolist() == [0]
+    assert inverse_cdf_sample(unnormalised, torch.tensor([0.3])).tolist() == [2]
+
+
+# ---- CPU measures: preallocated KV cache, weight-major small-batch linears -------------------
+
+
+def test_preallocated_layer_matches_concatenation_through_growth_and_selection():
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(3, 2, n, 4, generator=gen) for n in (5, 1, 1, 4)]
+    layer = PreallocatedLayer(capacity=6)  # the third update outgrows it
+    for i, chunk in enumerate(chunks):
+        keys, values = layer.update(chunk, -chunk)
+        expected = torch.cat(chunks[: i + 1], dim=2)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert layer.get_seq_length() == 11
+    layer.batch_select_indices(torch.tensor([2, 0, 0]))
+    assert torch.equal(layer.keys, torch.cat(chunks, dim=2)[[2, 0, 0]])
+    keys, _ = layer.update(chunks[1][:, :, :1], chunks[1][:, :, :1])
+    assert keys.shape == (3, 2, 12, 4)
+
+
+def test_preallocated_cache_replaces_the_full_attention_layers(model):
+    cache = preallocated_cache(model, capacity=16)
+    assert len(cache.layers) == 2
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9])
+@pytest.mark.parametrize("out_features", [48, 8192])
+def test_weight_major_linears_give_the_linear_values(rows, out_features):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(512, out_features), torch.nn.Linear(out_features, 3))
+    x = torch.randn(rows, 1, 512)
+    expected = net(x)
+    with torch.no_grad(), weight_major_linears(net) as patched:
+        assert patched == 2
+        torch.testing.assert_close(net(x), expected, atol=1e-5, rtol=1e-5)
+    assert "forward" not in net[0].__dict__  # restored
+
+
+# ---- no forward passes on finished rows ------------------------------------------------------
+
+
+def test_finished_rows_leave_the_running_batch(model, tokenizer):
+    prompts = prompt_batch(PROMPTS, repeat=4)
+    stop_ids = list(range(0, 49152, 5))
+    outs, sizes = {}, {}
+    for remove in (True, False):
+        rollout = engine(
+            model, tokenizer, eos_token_ids=stop_ids, remove_finished=remove, max_response_length=8
+        )
+        sizes[remove], handle = count_forward_rows(model)
+        try:
+            outs[remove] = rollout.generate(prompts, seed=11)
+        finally:
+            handle.remove()
+    assert torch.equal(outs[True]["responses"], outs[False]["responses"])
+    assert torch.equal(outs[True]["response_mask"], outs[False]["response_mask"])
+    torch.testing.assert_close(
+        outs[True]["rollout_log_probs"], outs[False]["rollout_log_probs"], atol=1e-5, rtol=0
+    )
+    lengths = outs[True]["response_mask"].sum(1)
+    assert lengths.min() < 8
+    # prefill runs once per distinct prompt; decode step s runs the rows still unfinished
+    assert sizes[True][0] == sizes[False][0] == len(PROMPTS)
+    expected = [int((lengths > s).sum()) for s in range(1, int(lengths.max()))]
+    assert sizes[True][1:] == expected
+    assert sizes[False][1:] == [len(prompts)] * len(expected)
+
+
+# ---- input checks and model state ------------------------------------------------------------
+
+
+def test_bad_prompt_batches_are_rejected(model, tokenizer):
+    rollout = engine(model, tokenizer)
+    prompts = prompt_batch(PROMPTS)
+    right_padded = prompts["attention_mask"].flip(1)
+    bad = Batch({"input_ids": prompts["input_ids"], "attention_mask": right_padded})
+    with pytest.raises(ValueError, match=r"prompt rows \[0, 1\]"):
+        rollout.generate(bad)
+    with pytest.raises(KeyError, match="attention_mask"):
+        rollout.generate(Batch({"input_ids": prompts["input_ids"]}))
+    with pytest.raises(ValueError, match="temperature"):
+        rollout.generate(prompts, temperature=-1.0)
+    with pytest.raises(ValueError, match="max_response_length"):
+        engine(model, tokenizer, max_response_length=0)
+
+
+def test_training_mode_is_restored(model, tokenizer):
+    model.train()
+    try:
+        engine(model, tokenizer, max_response_length=2).generate(prompt_batch(PROMPTS))
+        assert model.training
+    finally:
+        model.eval()
