@@ -117,3 +117,41 @@ def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
         tiny_config(tmp_path / "k", "actor.use_rollout_log_probs=true", "rollout.top_k=5")
     )
     assert not topk.reuse_rollout_log_probs  # top-k sampling is not the actor's distribution
+
+
+SCORER = """
+def parity(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float(len(solution_str) % 2)
+"""
+
+
+@pytest.mark.parametrize("preset", ["dapo", "rloo", "reinforce_plus_plus", "gspo"])
+def test_presets_run_a_step(tmp_path: Path, preset: str) -> None:
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(SCORER)
+    cfg = tiny_config(
+        tmp_path / "run", f"preset={preset}", f"reward.scorer={scorer}:parity",
+        "trainer.total_steps=1", "trainer.val_before_train=false",
+    )  # fmt: skip
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    metrics = read_metrics(tmp_path / "run")[1]
+    assert "actor/pg_loss" in metrics
+    if preset == "dapo":
+        assert 0 < metrics["dapo/kept_fraction"] <= 1
+        assert "reward/overlong_penalty_mean" in metrics
+    scores = trainer.last_batch["token_level_scores"].sum(-1)
+    assert set(scores.tolist()) <= {0.0, 1.0} or preset == "dapo"
+
+
+def test_remax_uses_greedy_baselines(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "algorithm.adv_estimator=remax", "trainer.total_steps=1")
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    assert trainer.last_batch["reward_baselines"].shape == (4,)
+    assert "timing_s/gen_greedy" in read_metrics(tmp_path)[1]
+
+
+def test_ray_backend_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(NotImplementedError, match="Ray"):
+        RLTrainer(tiny_config(tmp_path, "trainer.backend=ray"))

@@ -80,6 +80,11 @@ class RLTrainer:
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
         self.console = console or Console()
+        if cfg.trainer.backend != "local":
+            raise NotImplementedError(
+                f"trainer.backend={cfg.trainer.backend!r} is not built yet; use 'local' "
+                "(the Ray backend is the 'Scale out' issue)"
+            )
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
