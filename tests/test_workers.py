@@ -122,6 +122,7 @@ def test_micro_batches_accumulate_the_same_gradient(mode: str) -> None:
         cfg = ActorConfig(
             optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=4, ppo_micro_batch_size=micro,
             loss_agg_mode=mode, use_kl_loss=True, entropy_coeff=0.01, shuffle=False,
+            autocast="none",
         )  # fmt: skip
         worker = ActorWorker(model, cfg)
         step = worker.optimizer.step
