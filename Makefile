@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/creditrl train
+run: $(STAMP)  ## make run ARGS="rollout.n=8 trainer.total_steps=10"
+	$(VENV)/bin/creditrl train $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
