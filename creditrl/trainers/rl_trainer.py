@@ -371,6 +371,15 @@ class RLTrainer:
         cfg = self.cfg.trainer
         began = time.perf_counter()
         resumed = self.maybe_resume()
+        if resumed:
+            self.console.print(
+                f"resuming {self.out} from step {self.step} of {cfg.total_steps}"
+                + (
+                    " (already finished: raise trainer.total_steps or use a new trainer.output_dir)"
+                    if self.step >= cfg.total_steps
+                    else ""
+                )
+            )
         summary = RunSummary(output_dir=self.out, steps=cfg.total_steps)
         if not resumed and cfg.val_before_train:
             self.val_before = self.validate()
