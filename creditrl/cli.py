@@ -1,38 +1,17 @@
-"""The ``creditrl`` command: train, config, eval, explain."""
+"""The ``creditrl`` command: train, config, eval, and the subcommands in ``creditrl.commands``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
+from creditrl.commands import SUBCOMMANDS
 from creditrl.config import Config
 from creditrl.config.loader import ConfigError, load_config, to_dict
-from creditrl.inspect.example import BETA, COLUMNS, GAMMA, HEADERS, LAM, spec000_example
-
-
-def print_example(console: Console) -> None:
-    """Print the spec 000 worked example as a per-token table with a legend."""
-    data = spec000_example()
-    table = Table(
-        title=f"spec 000 worked example: 请问1+1=2？ -> 是的，等于2！ (beta={BETA}, "
-        f"gamma={GAMMA}, lambda={LAM}, k1 KL in the reward)"
-    )
-    for name in COLUMNS:
-        header = HEADERS.get(name, name)
-        table.add_column(header, justify="left" if name == "token" else "right", no_wrap=True)
-    for i in range(len(data["t"])):
-        cells = []
-        for name in COLUMNS:
-            value = data[name][i]
-            cells.append(str(value) if name in ("t", "token") else f"{float(value):+.6f}")
-        table.add_row(*cells)
-    console.print(table)
-    for name, meaning in COLUMNS.items():
-        console.print(f"  [bold]{HEADERS.get(name, name)}[/bold]: {meaning}")
 
 
 def describe_sizes(cfg: Config) -> str:
@@ -67,17 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
-    explain = sub.add_parser("explain", help="per-token table of every RL quantity")
-    explain.add_argument("--example", action="store_true", help="the spec 000 worked example")
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    if args.command == "explain":
-        if not args.example:
-            parser.error("explain: only --example is available so far")
-        print_example(console)
-        return 0
+    if getattr(args, "handler", None) is not None:
+        return int(args.handler(args, console))
     config_file, overrides = _split_args(args.args)
     try:
         cfg = load_config(config_file, overrides)

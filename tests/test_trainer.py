@@ -152,6 +152,8 @@ def test_remax_uses_greedy_baselines(tmp_path: Path) -> None:
     assert "timing_s/gen_greedy" in read_metrics(tmp_path)[1]
 
 
-def test_ray_backend_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(NotImplementedError, match="Ray"):
-        RLTrainer(tiny_config(tmp_path, "trainer.backend=ray"))
+def test_backend_choices_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"trainer\.backend must be"):
+        RLTrainer(tiny_config(tmp_path, "trainer.backend=slurm"))
+    with pytest.raises(ValueError, match=r"needs trainer\.backend=ray"):
+        RLTrainer(tiny_config(tmp_path, "trainer.workers=2"))

@@ -186,3 +186,17 @@ def test_bf16_autocast_update_stays_close_to_float32() -> None:
     assert cosine > 0.99
     with pytest.raises(ValueError, match="autocast"):
         ActorWorker(tiny_lm(), ActorConfig(autocast="fp8"))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_first_minibatch_health_metrics_are_zero_on_policy(packed: bool) -> None:
+    model = tiny_lm()
+    batch = actor_batch(model)
+    cfg = ActorConfig(
+        optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size=1, ppo_epochs=2,
+        autocast="none", use_remove_padding=packed, use_dynamic_bsz=packed,
+    )  # fmt: skip
+    metrics = ActorWorker(model, cfg).update_policy(batch, temperature=1.0, n_per_prompt=1)
+    assert metrics["health/first_minibatch_ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["health/first_minibatch_clipfrac"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(metrics["actor/ppo_kl"]) > 1e-4  # later mini-batches are off-policy

@@ -1,6 +1,18 @@
 """The Batch container, its field catalogue, and pickle-free serialization."""
 
+from creditrl.batch.balance import BalancedBatch, balance_batch, invert_permutation
 from creditrl.batch.batch import Batch, pad_to_divisor, unpad
 from creditrl.batch.fields import FIELDS, FieldSpec, describe, require
 
-__all__ = ["FIELDS", "Batch", "FieldSpec", "describe", "pad_to_divisor", "require", "unpad"]
+__all__ = [
+    "FIELDS",
+    "BalancedBatch",
+    "Batch",
+    "FieldSpec",
+    "balance_batch",
+    "describe",
+    "invert_permutation",
+    "pad_to_divisor",
+    "require",
+    "unpad",
+]

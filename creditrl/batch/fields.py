@@ -136,6 +136,12 @@ _SPECS = [
         "core: rollout importance weights",
     ),
     FieldSpec(
+        "sample_seed", "(B,)", "int64",
+        "per-trajectory sampling seed: the rollout draws this row's uniforms from it, so the "
+        "tokens do not depend on how rows are split over micro-batches or workers",
+        "trainer (after repeat)",
+    ),
+    FieldSpec(
         "uid", "(B,)", "object[str]",
         "prompt group id; samples of the same prompt share it (GRPO/RLOO grouping)",
         "trainer (before repeat)",

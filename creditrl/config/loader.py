@@ -105,3 +105,8 @@ def load_config(
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain JSON-safe dicts (for checkpoints, logs and printing)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Inverse of ``to_dict`` (how a config travels to a worker process, as JSON)."""
+    return OmegaConf.to_object(_merge(OmegaConf.structured(Config), data, "a config dict"))

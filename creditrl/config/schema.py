@@ -122,6 +122,9 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     use_rollout_log_probs: bool = True  # reuse rollout log-probs as old_log_probs when on-policy
     autocast: str = "bf16"  # "none" | "bf16": bfloat16 autocast of the update's forward/backward
+    use_dynamic_bsz: bool = False  # micro-batches by token budget, not a fixed trajectory count
+    max_token_len_per_device: int = 4096  # tokens per micro-batch forward when use_dynamic_bsz
+    use_remove_padding: bool = False  # pack each micro-batch's real tokens into one row
 
 
 @dataclass
@@ -135,6 +138,9 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    use_dynamic_bsz: bool = False  # micro-batches by token budget, not a fixed trajectory count
+    max_token_len_per_device: int = 4096  # tokens per micro-batch forward when use_dynamic_bsz
+    use_remove_padding: bool = False  # pack each micro-batch's real tokens into one row
 
 
 @dataclass
@@ -194,6 +200,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RayConfig:
+    """Where the Ray backend's workers run. ``address`` None: ``$RAY_ADDRESS`` if set, else a
+    local cluster started for the run (bound to loopback)."""
+
+    address: str | None = None
+    namespace: str = "creditrl"
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0  # > 0: NCCL process group and CUDA models
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
 class TrainerConfig:
     """The loop: steps, files, cadence, logging."""
 
@@ -204,13 +222,78 @@ class TrainerConfig:
     val_before_train: bool = True
     critic_warmup: int = 0  # steps of critic-only updates
     backend: str = "local"  # local | ray
-    workers: int = 1
+    workers: int = 1  # data-parallel ranks (Ray actors), each holding actor+rollout+ref(+critic)
+    strategy: str = "ddp"  # ddp (replicated weights, summed gradients) | fsdp2 (fully_shard)
+    fsdp_cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on CPU
+    fsdp_param_dtype: str = "float32"  # fsdp2 mixed precision (bfloat16 on GPU)
+    balance_batch: bool = True  # reorder samples so each rank gets about the same tokens
+    checkpoint_format: str = "full"  # full (gathered, one file per model) | sharded (per rank)
+    collective_timeout_s: float = 300.0  # a collective waiting longer than this fails the step
+    call_timeout_s: float = 3600.0  # a worker call running longer than this fails the step
+    ray: RayConfig = field(default_factory=RayConfig)
     seed: int = 0
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     rollout_dump_rows: int = 4  # rows per step whose per-token tensors are dumped
     resume: str = "auto"  # auto | never
     max_checkpoints: int = 2
     num_threads: int = 0  # torch threads; 0: torch's default
+
+
+@dataclass
+class AsyncConfig:
+    """Decoupled samplers and learner over ZeroMQ (spec 003; ``creditrl async``).
+
+    Samplers generate whole groups (``rollout.n`` answers per prompt) with weight version v and
+    push them to the learner at ``host:port``; the learner trains on ``data.train_batch_size``
+    groups per step, publishes version v + 1 under ``weight_dir`` and acknowledges what it
+    consumed. Staleness = learner version - the version that sampled the episode.
+    """
+
+    host: str = "127.0.0.1"  # learner bind address (samplers connect); non-loopback needs CURVE
+    port: int = 5557  # 0: ``creditrl async`` picks a free port
+    hwm: int = 64  # ZeroMQ high-water mark (messages) of every socket, both directions
+    num_samplers: int = 1  # sampler processes ``creditrl async`` starts
+    learners: int = 1  # learner ranks (torch.distributed, gloo); rank 0 receives and scatters
+    dist_port: int = 29517  # rendezvous port of the learner ranks (loopback)
+    max_staleness: int = 4  # versions; older groups are dropped, counted and acknowledged
+    max_inflight_groups: int = 0  # per sampler, unacknowledged; 0: 2 x data.train_batch_size
+    sampler_batch_groups: int = 0  # prompts generated together by a sampler; 0: train_batch_size
+    weight_dir: str | None = None  # None: <trainer.output_dir>/weights
+    keep_weight_versions: int = 3
+    publish_every: int = 1  # learner steps between weight versions
+    ref_on: str = "sampler"  # "sampler" | "learner": who computes ref_log_prob
+    old_log_probs: str = "learner"  # "learner": recompute stale rows + rollout IS | "sampler"
+    lora_sync: str = "merged"  # with model.lora_rank > 0: samplers load "merged" | "adapter"
+    state_dir: str | None = None  # None: <trainer.output_dir>/samplers (outboxes, positions)
+    curve_keys_dir: str | None = None  # CURVE keys (``creditrl async --make-keys DIR``)
+    allow_insecure: bool = False  # bind a non-loopback host without CURVE
+    ping_s: float = 5.0  # a waiting sampler pings the learner this often
+    data_timeout_s: float = 600.0  # the learner fails when no episode arrives for this long
+    sampler_threads: int = 0  # torch threads per sampler; 0: trainer.num_threads
+    learner_threads: int = 0  # torch threads per learner rank; 0: trainer.num_threads
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn tool use (spec 001, 004): the token-in-token-out agent loop around the rollout
+    engine. ``rollout.max_response_length`` budgets all turns and observations together."""
+
+    enable: bool = False
+    max_turns: int = 4  # assistant turns per trajectory
+    max_tokens_per_turn: int = 0  # 0: up to the remaining response budget
+    stop: list[str] = field(default_factory=list)  # strings that end a turn besides EOS
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # built-in tool names
+    tool_config: str | None = None  # YAML file of tool entries (creditrl.tools.registry)
+    tool_timeout_s: float = 5.0
+    max_parallel_calls: int = 4  # tool calls running at once, over the whole batch
+    max_calls_per_turn: int = 4  # further calls in one turn get an error observation
+    tool_output_max_chars: int = 1000
+    truncate_side: str = "middle"  # left | right | middle: the part of long output that is cut
+    tool_role: str = "tool"  # the chat template's role name for tool results
+    state_masking: bool = True  # observation tokens get response_mask 0 (spec 001)
+    reward_manager: str = "structured"  # structured (spec 001 turn/global) | rule (scorer pool)
+    reward_distribution: str = "final_token_only"  # or turn_proportional
+    drift_check_rows: int = 4  # samples per batch checked for tokenization drift; 0: off
 
 
 @dataclass
@@ -225,3 +308,5 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
-from creditrl.rollout.sampling import sample_next_tokens
+from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
 
 __all__ = [
     "SMALL_BATCH_ROWS",
@@ -227,7 +227,10 @@ class HFRolloutEngine:
     """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine).
 
     ``seed`` seeds the engine's ``torch.Generator``: the same seed, model, prompts and settings
-    give the same samples. ``eos_token_ids`` overrides the stop ids (default:
+    give the same samples. A prompt batch with a ``sample_seed`` (B,) int64 field samples each
+    row from its own counter-based stream instead (``counter_uniforms``), so the tokens do not
+    depend on how rows are grouped into micro-batches or data-parallel workers (the trainer
+    draws these seeds). ``eos_token_ids`` overrides the stop ids (default:
     ``eos_token_ids_of(model, tokenizer)``). ``remove_finished=False`` keeps finished rows in
     the forward passes (the naive loop, for benchmarks). Each trajectory draws one uniform per
     step from the micro-batch's stream whether or not others finished, so both loops sample
@@ -301,6 +304,7 @@ class HFRolloutEngine:
         """
         params = self.sampling_params(greedy=greedy, temperature=temperature)
         ids, mask, positions = _prompt_tensors(prompts, self.model.device)
+        seeds = prompts.get("sample_seed")
         if seed is not None:
             self.generator.manual_seed(seed)
         size = self.cfg.micro_batch_size
@@ -315,7 +319,13 @@ class HFRolloutEngine:
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
                     parts.append(
-                        self._generate_micro_batch(ids[rows], mask[rows], positions[rows], params)
+                        self._generate_micro_batch(
+                            ids[rows],
+                            mask[rows],
+                            positions[rows],
+                            params,
+                            None if seeds is None else seeds[rows],
+                        )
                     )
         finally:
             self.model.train(was_training)
@@ -353,9 +363,15 @@ class HFRolloutEngine:
         return cache, logits
 
     def _generate_micro_batch(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, params: SamplingParams
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        params: SamplingParams,
+        seeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch."""
+        """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch; with
+        ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed."""
         m, device, max_new = len(ids), ids.device, params.max_new_tokens
         first_real = int((mask.sum(0) > 0).long().argmax())
         ids, mask, positions = ids[:, first_real:], mask[:, first_real:], positions[:, first_real:]
@@ -372,7 +388,9 @@ class HFRolloutEngine:
         stats["prefill_s"] += decode_start - start
         for step in range(max_new):
             uniforms = None
-            if not params.greedy:  # one draw per trajectory, so removals do not shift the stream
+            if seeds is not None and not params.greedy:
+                uniforms = counter_uniforms(seeds[rows], step).to(device)
+            elif not params.greedy:  # one draw per trajectory, so removals do not shift the stream
                 uniforms = torch.rand(m, generator=self.generator, device=device)[rows]
             tokens, token_log_probs = sample_next_tokens(
                 logits,

@@ -16,7 +16,39 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["filter_logits", "inverse_cdf_sample", "sample_next_tokens"]
+__all__ = ["counter_uniforms", "filter_logits", "inverse_cdf_sample", "sample_next_tokens"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _to_signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _to_signed(0x9E3779B97F4A7C15)
+_MIX1 = _to_signed(0xBF58476D1CE4E5B9)
+_MIX2 = _to_signed(0x94D049BB133111EB)
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits on the 64-bit pattern of int64 ``x`` (zeros shifted in)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """A uniform in [0, 1) per row from (``seeds`` (N,) int64, ``step``): splitmix64 of
+    ``seed + (step + 1) * golden``, top 53 bits / 2^53.
+
+    A trajectory's draws depend only on its own seed and the decode step, not on which other
+    rows share its batch, so the same seeds sample the same tokens in one process or split
+    over data-parallel workers (up to float rounding of batch-size dependent kernels).
+    """
+    offset = _to_signed(((step + 1) * _GOLDEN) & _MASK64)
+    x = seeds.to(torch.int64) + offset  # int64 tensor arithmetic wraps modulo 2^64
+    x = (x ^ _logical_shift(x, 30)) * _MIX1
+    x = (x ^ _logical_shift(x, 27)) * _MIX2
+    x = x ^ _logical_shift(x, 31)
+    return _logical_shift(x, 11).double() / float(1 << 53)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Atomic checkpoints: models, optimizers, schedulers, RNG, sampler and trainer state.
 
-Layout: ``checkpoints/step_000010/`` holding ``<name>.model.safetensors`` per model,
-``<name>.optim.safetensors`` per optimizer, ``rng.safetensors`` and ``state.json``; the file
+Layout: ``checkpoints/step_000010/`` holding the files the worker group writes (per model and
+optimizer, full or sharded: ``creditrl.workers.checkpoint_io``; per-rank random streams),
+the controller's ``rng.safetensors`` and ``state.json``; the file
 ``checkpoints/latest`` names the newest complete one. A checkpoint is written into a temporary
 directory and renamed into place, then ``latest`` is replaced atomically: a crash leaves either
 the old or the new checkpoint, never a partial one.
@@ -13,17 +14,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 
-from creditrl.trainers.state_io import load_optimizer, rng_state, save_optimizer, set_rng_state
+from creditrl.trainers.state_io import rng_state, set_rng_state
 
-__all__ = ["CheckpointManager", "Trainable"]
-
-Trainable = tuple[torch.nn.Module, torch.optim.Optimizer | None, Any]
+__all__ = ["CheckpointManager"]
 
 
 class CheckpointManager:
@@ -44,25 +44,19 @@ class CheckpointManager:
     def save(
         self,
         step: int,
-        parts: dict[str, Trainable],
+        write_parts: Callable[[str], dict[str, Any]],
         state: dict[str, Any],
-        generators: dict[str, torch.Generator],
+        generators: dict[str, torch.Generator] | None = None,
     ) -> Path:
-        """Write ``step``'s checkpoint atomically and prune old ones; returns its directory."""
+        """Write ``step``'s checkpoint atomically and prune old ones; returns its directory.
+        ``write_parts(directory)`` writes the models' files and returns their JSON meta."""
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"step_{step:06d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.root))
-        optim_meta = {}
-        for key, (model, optimizer, scheduler) in parts.items():
-            save_model(model, str(tmp / f"{key}.model.safetensors"))
-            if optimizer is not None:
-                optim_meta[key] = {
-                    "optimizer": save_optimizer(optimizer, tmp / f"{key}.optim.safetensors"),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                }
-        rng_tensors, rng_meta = rng_state(generators)
+        parts_meta = write_parts(str(tmp))
+        rng_tensors, rng_meta = rng_state(generators or {})
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        payload = {"step": step, "state": state, "optim": optim_meta, "rng": rng_meta}
+        payload = {"step": step, "state": state, "parts": parts_meta, "rng": rng_meta}
         (tmp / "state.json").write_text(json.dumps(payload))
         final = self.root / name
         if final.exists():
@@ -75,21 +69,16 @@ class CheckpointManager:
         return final
 
     def load(
-        self, path: Path, parts: dict[str, Trainable], generators: dict[str, torch.Generator]
+        self,
+        path: Path,
+        read_parts: Callable[[str, dict[str, Any]], None],
+        generators: dict[str, torch.Generator] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Restore models, optimizers, schedulers and RNG from ``path``; returns (step, state)."""
+        """Restore from ``path`` (``read_parts(directory, meta)`` loads the models); returns
+        (step, state)."""
         payload = json.loads((path / "state.json").read_text())
-        for key, (model, optimizer, scheduler) in parts.items():
-            file = path / f"{key}.model.safetensors"
-            if not file.is_file():
-                raise FileNotFoundError(f"checkpoint {path} has no weights for {key!r}")
-            load_model(model, str(file))
-            if optimizer is not None and key in payload["optim"]:
-                meta = payload["optim"][key]
-                load_optimizer(optimizer, path / f"{key}.optim.safetensors", meta["optimizer"])
-                if scheduler is not None and meta["scheduler"] is not None:
-                    scheduler.load_state_dict(meta["scheduler"])
-        set_rng_state(load_file(str(path / "rng.safetensors")), payload["rng"], generators)
+        read_parts(str(path), payload["parts"])
+        set_rng_state(load_file(str(path / "rng.safetensors")), payload["rng"], generators or {})
         return int(payload["step"]), payload["state"]
 
     def _prune(self, keep: Path) -> None:

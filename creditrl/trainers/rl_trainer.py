@@ -8,7 +8,6 @@ update -> metrics, rollout dump, validation, checkpoint, sampler hook.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,22 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, balance_batch
 from creditrl.config import Config
 from creditrl.config.loader import to_dict
+from creditrl.controller import build_worker_group
 from creditrl.core import get_kl_controller
 from creditrl.data import ResumableSampler, build_datasets, collate_prompts
-from creditrl.models import (
-    CriticModel,
-    apply_lora,
-    disabled_adapters,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model_path,
-)
+from creditrl.models import load_tokenizer, resolve_model_path
 from creditrl.rewards import RewardManager
-from creditrl.rollout import HFRolloutEngine
 from creditrl.tracking import (
     RolloutDumper,
     Timer,
@@ -42,9 +35,9 @@ from creditrl.tracking import (
     compute_throughput_metrics,
     compute_timing_metrics,
 )
+from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers import stages
 from creditrl.trainers.checkpoint import CheckpointManager
-from creditrl.workers import ActorWorker, CriticWorker
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -80,11 +73,6 @@ class RLTrainer:
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
         self.console = console or Console()
-        if cfg.trainer.backend != "local":
-            raise NotImplementedError(
-                f"trainer.backend={cfg.trainer.backend!r} is not built yet; use 'local' "
-                "(the Ray backend is the 'Scale out' issue)"
-            )
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
@@ -99,11 +87,18 @@ class RLTrainer:
             and cfg.rollout.engine == "hf"
             and cfg.rollout.top_k <= 0
             and cfg.rollout.top_p >= 1.0
+            and not (cfg.agent.enable and not cfg.agent.state_masking)
         )
         self.n = cfg.rollout.n
         self._build_data()
-        self._build_models()
-        self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.workers = build_worker_group(cfg)
+        if cfg.agent.enable and cfg.agent.reward_manager == "structured":
+            from creditrl.agents.rewards import StructuredRewardManager
+
+            self.reward = StructuredRewardManager(cfg.reward, cfg.agent, self.tokenizer)
+        else:
+            self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.health = FirstMinibatchMonitor()
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,
@@ -122,61 +117,17 @@ class RLTrainer:
         cfg = self.cfg
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.train_data, self.val_data = build_datasets(cfg.data, self.tokenizer)
+        from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
+
+        if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
+            self.train_data, self.val_data = build_agent_datasets(cfg, self.tokenizer)
+        else:
+            self.train_data, self.val_data = build_datasets(cfg.data, self.tokenizer)
         self.sampler = ResumableSampler(
             len(self.train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle
         )
 
-    def _optimizer_steps(self, mini_batch_size: int) -> int:
-        per_step = -(-self.cfg.data.train_batch_size // mini_batch_size)
-        return self.cfg.trainer.total_steps * per_step * max(self.cfg.actor.ppo_epochs, 1)
-
-    def _build_models(self) -> None:
-        cfg = self.cfg
-        policy = load_causal_lm(self.model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
-        self.ref_model = None
-        if cfg.model.lora_rank > 0:
-            policy = apply_lora(
-                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
-            )
-        elif self.use_ref:
-            self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.actor = ActorWorker(
-            policy,
-            cfg.actor,
-            total_optimizer_steps=self._optimizer_steps(cfg.actor.ppo_mini_batch_size),
-            seed=cfg.trainer.seed,
-        )
-        if self.ref_model is not None:
-            self.ref = ActorWorker(self.ref_model, cfg.actor, trainable=False)
-        self.rollout = HFRolloutEngine(policy, self.tokenizer, cfg.rollout, seed=cfg.trainer.seed)
-        self.critic = None
-        if self.use_critic:
-            critic_path = resolve_model_path(
-                cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir
-            )
-            critic_model = CriticModel.from_actor(critic_path, cfg.model.dtype)
-            self.critic = CriticWorker(
-                critic_model,
-                cfg.critic,
-                total_optimizer_steps=self._optimizer_steps(cfg.critic.ppo_mini_batch_size),
-                micro_batch_size=cfg.actor.log_prob_micro_batch_size,
-                seed=cfg.trainer.seed,
-            )
-
     # ---- checkpoint ---------------------------------------------------------------------
-
-    def _parts(self) -> dict[str, Any]:
-        parts = {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)}
-        if self.critic is not None:
-            parts["critic"] = (self.critic.model, self.critic.optimizer, self.critic.scheduler)
-        return parts
-
-    def _generators(self) -> dict[str, torch.Generator]:
-        gens = {"actor": self.actor.generator, "rollout": self.rollout.generator}
-        if self.critic is not None:
-            gens["critic"] = self.critic.generator
-        return gens
 
     def save_checkpoint(self) -> Path:
         state = {
@@ -185,13 +136,13 @@ class RLTrainer:
             "uid_rng": self.uid_rng.bit_generator.state,
             "val_before": getattr(self, "val_before", {}),
         }
-        return self.checkpoints.save(self.step, self._parts(), state, self._generators())
+        return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
 
     def maybe_resume(self) -> bool:
         latest = self.checkpoints.latest()
         if latest is None or self.cfg.trainer.resume == "never":
             return False
-        self.step, state = self.checkpoints.load(latest, self._parts(), self._generators())
+        self.step, state = self.checkpoints.load(latest, self.workers.load_checkpoint)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.uid_rng.bit_generator.state = state["uid_rng"]
@@ -202,14 +153,17 @@ class RLTrainer:
     # ---- one step, stage by stage --------------------------------------------------------
 
     def next_prompts(self) -> Batch:
-        """The next prompts from the sampler, one uid each, repeated n times (interleaved)."""
+        """The next prompts from the sampler, one uid each, repeated n times (interleaved),
+        with a ``sample_seed`` per trajectory (the same samples on any number of workers)."""
         rows = [self.train_data[i] for i in next(self.sampler)]
         prompts = collate_prompts(rows, self.tokenizer.pad_token_id)
         stages.add_uids(prompts, self.uid_rng)
-        return prompts.repeat(self.n, interleave=True)
+        prompts = prompts.repeat(self.n, interleave=True)
+        stages.add_sample_seeds(prompts, self.uid_rng)
+        return prompts
 
     def generate(self, prompts: Batch) -> Batch:
-        batch = self.rollout.generate(prompts)
+        batch = self.workers.generate(prompts)
         batch.meta.update(
             temperature=self.cfg.rollout.temperature,
             max_response_length=self.cfg.rollout.max_response_length,
@@ -220,7 +174,7 @@ class RLTrainer:
 
     def remax_baseline(self, prompts: Batch, batch: Batch) -> None:
         """ReMax: the reward of the greedy response to each prompt, as ``reward_baselines``."""
-        greedy = self.rollout.generate(prompts, greedy=True)
+        greedy = self.workers.generate(prompts, greedy=True)
         batch["reward_baselines"] = self.reward(greedy).scores.float()
 
     def old_log_probs(self, batch: Batch) -> None:
@@ -229,17 +183,16 @@ class RLTrainer:
         if self.reuse_rollout_log_probs:
             batch["old_log_probs"] = batch["rollout_log_probs"].clone()
             return
-        log_probs, entropy = self.actor.compute_log_prob(batch, self.cfg.rollout.temperature)
-        batch["old_log_probs"] = log_probs
-        batch["entropys"] = entropy
+        stages.merge(batch, self.workers.compute_log_prob(batch, self.cfg.rollout.temperature))
 
-    def ref_log_probs(self, batch: Batch) -> None:
-        temperature = self.cfg.rollout.temperature
-        if self.cfg.model.lora_rank > 0:
-            with disabled_adapters(self.actor.model):
-                batch["ref_log_prob"], _ = self.actor.compute_log_prob(batch, temperature, False)
-        else:
-            batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch, temperature, False)
+    def balance(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Reorder samples so each data-parallel rank gets about the same number of tokens."""
+        if self.workers.world_size == 1 or not self.cfg.trainer.balance_batch:
+            return batch, {}
+        if len(batch) % self.workers.world_size:
+            return batch, {}
+        balanced = balance_batch(batch, self.workers.world_size)
+        return balanced.batch, balanced.metrics
 
     def collect(self, timing: dict[str, float]) -> tuple[Batch, Any, dict[str, float]]:
         """Generate until the batch is full (DAPO's filter keeps only groups whose scores vary)."""
@@ -305,12 +258,16 @@ class RLTrainer:
                     result = future.result()
             self._attach_scores(batch, result)
             metrics.update(result.metrics)
+        batch, balance_metrics = self.balance(batch)
+        metrics.update(balance_metrics)
         if self.use_ref:
             with Timer("ref", timing):
-                self.ref_log_probs(batch)
-        if self.critic is not None:
+                stages.merge(
+                    batch, self.workers.compute_ref_log_prob(batch, cfg.rollout.temperature)
+                )
+        if self.use_critic:
             with Timer("values", timing):
-                batch["values"] = self.critic.compute_values(batch)
+                stages.merge(batch, self.workers.compute_values(batch))
         with Timer("adv", timing):
             metrics.update(
                 stages.apply_overlong_penalty(batch, cfg.algorithm, cfg.rollout.max_response_length)
@@ -320,16 +277,23 @@ class RLTrainer:
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
             metrics.update(stages.rollout_is_weights(batch, cfg.algorithm))
             stages.compute_advantages(batch, cfg.algorithm)
-        if self.critic is not None:
+        if self.use_critic:
             with Timer("update_critic", timing):
-                metrics.update(self.critic.update_critic(batch, self.n))
-        if self.step > cfg.trainer.critic_warmup or self.critic is None:
+                metrics.update(self.workers.update_critic(batch))
+        if self.step > cfg.trainer.critic_warmup or not self.use_critic:
             with Timer("update_actor", timing):
-                metrics.update(self.actor.update_policy(batch, cfg.rollout.temperature, self.n))
+                metrics.update(self.workers.update_actor(batch, cfg.rollout.temperature))
+            warning = self.health.check(metrics)
+            if warning:
+                self.console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         timing["step"] = time.perf_counter() - start
-        metrics.update(compute_data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(compute_timing_metrics(timing, batch))
         metrics.update(compute_throughput_metrics(timing, batch))
+        if cfg.agent.enable:
+            from creditrl.agents.hooks import after_step
+
+            metrics.update(after_step(batch, self.tokenizer, cfg.agent))
         self.dumper.dump(batch, self.step)
         self.sampler.update(batch)
         self.last_batch = batch
@@ -348,7 +312,7 @@ class RLTrainer:
         for start in range(0, len(rows), max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)):
             chunk = rows[start : start + max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)]
             prompts = collate_prompts(chunk, self.tokenizer.pad_token_id).repeat(cfg.val_n)
-            batch = self.rollout.generate(
+            batch = self.workers.generate(
                 prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
             )
             result = self.reward(batch)
@@ -387,24 +351,34 @@ class RLTrainer:
         summary.val_before = getattr(self, "val_before", {})
         progress = TrainingProgress(cfg.total_steps, self.step, self.console)
         last_val: dict[str, float] = {}
-        while self.step < cfg.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if cfg.test_freq > 0 and (
-                self.step % cfg.test_freq == 0 or self.step == cfg.total_steps
-            ):
-                last_val = self.validate()
-                metrics.update(last_val)
-            self.tracker.log(metrics, step=self.step)
-            progress.update(self.step, metrics)
-            summary.rewards.append(metrics.get("critic/score/mean", float("nan")))
-            if (
-                cfg.save_freq > 0 and self.step % cfg.save_freq == 0
-            ) or self.step == cfg.total_steps:
-                self.save_checkpoint()
+        try:
+            while self.step < cfg.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                if cfg.test_freq > 0 and (
+                    self.step % cfg.test_freq == 0 or self.step == cfg.total_steps
+                ):
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                self.tracker.log(metrics, step=self.step)
+                progress.update(self.step, metrics)
+                summary.rewards.append(metrics.get("critic/score/mean", float("nan")))
+                if (
+                    cfg.save_freq > 0 and self.step % cfg.save_freq == 0
+                ) or self.step == cfg.total_steps:
+                    self.save_checkpoint()
+        except BaseException:
+            progress.close()
+            self.close()
+            raise
         progress.close()
         summary.val_after = last_val
         summary.seconds = time.perf_counter() - began
+        self.close()
+        return summary
+
+    def close(self) -> None:
+        """Release the workers, the reward pool and the metric sinks."""
+        self.workers.shutdown()
         self.tracker.close()
         self.reward.close()
-        return summary

@@ -17,10 +17,12 @@ from creditrl.core import (
 )
 
 __all__ = [
+    "add_sample_seeds",
     "add_uids",
     "apply_overlong_penalty",
     "compute_advantages",
     "kl_into_rewards",
+    "merge",
     "rollout_is_weights",
     "varied_groups",
 ]
@@ -29,6 +31,22 @@ __all__ = [
 def add_uids(batch: Batch, rng: np.random.Generator) -> Batch:
     """One uid per prompt (``uid``), drawn from ``rng`` so resumed runs repeat them."""
     batch["uid"] = [str(uuid.UUID(int=int(rng.integers(0, 2**63)))) for _ in range(len(batch))]
+    return batch
+
+
+def add_sample_seeds(batch: Batch, rng: np.random.Generator) -> Batch:
+    """One ``sample_seed`` per trajectory, drawn from ``rng`` (checkpointed with the run)."""
+    batch["sample_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=len(batch)))
+    return batch
+
+
+def merge(batch: Batch, new: Batch) -> Batch:
+    """Add (or replace) ``new``'s fields in ``batch``, in place; the rows must correspond."""
+    if len(new) != len(batch):
+        raise ValueError(f"a worker returned {len(new)} rows for a batch of {len(batch)}")
+    fields = new.keys()
+    for key in fields:
+        batch[key] = new[key]
     return batch
 
 

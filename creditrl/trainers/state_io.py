@@ -1,43 +1,13 @@
-"""Optimizer, scheduler and RNG state as safetensors + JSON (no pickle)."""
+"""RNG state as safetensors + JSON (no pickle)."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
-__all__ = ["load_optimizer", "rng_state", "save_optimizer", "set_rng_state"]
-
-
-def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-    """Write the optimizer's tensors to ``path`` (safetensors); return the JSON-safe rest."""
-    state = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, entry in state["state"].items():
-        for name, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(idx), {})[name] = value
-    save_file(tensors, str(path))
-    return {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, path: Path, meta: dict[str, Any]) -> None:
-    """Inverse of ``save_optimizer``."""
-    tensors = load_file(str(path))
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    for idx, entry in meta.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(entry)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+__all__ = ["rng_state", "set_rng_state"]
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -16,8 +16,11 @@ from creditrl.core import (
     global_normalisers,
     kl_penalty,
 )
+from creditrl.workers.distributed import all_reduce_gradients, all_reduce_sum
 from creditrl.workers.forward import policy_forward, split_indices
+from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
+from creditrl.workers.packing import packed_policy_forward
 
 __all__ = ["ActorWorker"]
 
@@ -28,7 +31,9 @@ class ActorWorker:
 
     Losses of the micro-batches of one mini-batch use that mini-batch's token and sequence
     counts (core ``global_normalisers``) and are summed, so the accumulated gradient equals
-    the mini-batch's full gradient for every aggregation mode.
+    the mini-batch's full gradient for every aggregation mode. Micro-batches hold a fixed
+    number of trajectories, or fit ``max_token_len_per_device`` tokens (``use_dynamic_bsz``);
+    ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``).
     """
 
     def __init__(
@@ -59,6 +64,15 @@ class ActorWorker:
         get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
         if cfg.autocast not in ("none", "bf16"):
             raise ValueError(f"actor.autocast must be 'none' or 'bf16', got {cfg.autocast!r}")
+        if cfg.max_token_len_per_device < 1:
+            raise ValueError(
+                f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
+            )
+        self._forward = packed_policy_forward if cfg.use_remove_padding else policy_forward
+
+    def _micro_batches(self, batch: Batch, size: int) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: ``size`` trajectories, or a token budget."""
+        return micro_batches_for(batch, size, self.cfg)
 
     def _autocast(self) -> torch.autocast:
         """bfloat16 autocast for the update's forward and backward when ``autocast=bf16``
@@ -74,20 +88,24 @@ class ActorWorker:
         ``response_mask`` is 0."""
         require(batch, "input_ids", "attention_mask", "position_ids", "responses")
         self.model.eval()
-        order = torch.arange(len(batch))
-        parts = [
-            policy_forward(self.model, batch[idx], temperature, with_entropy)
-            for idx in split_indices(order, self.cfg.log_prob_micro_batch_size)
-        ]
+        indices = self._micro_batches(batch, self.cfg.log_prob_micro_batch_size)
+        forward = self._forward
+        parts = [forward(self.model, batch[idx], temperature, with_entropy) for idx in indices]
         mask = batch["response_mask"].float() if "response_mask" in batch else 1.0
-        log_probs = torch.cat([p[0] for p in parts]).float() * mask
-        entropy = torch.cat([p[1] for p in parts]).float() * mask if with_entropy else None
+        log_probs = restore_order([p[0] for p in parts], indices).float() * mask
+        entropy = None
+        if with_entropy:
+            entropy = restore_order([p[1] for p in parts], indices).float() * mask
         return log_probs, entropy
 
     def update_policy(
         self, batch: Batch, temperature: float, n_per_prompt: int
     ) -> dict[str, float]:
-        """PPO epochs over ``batch``; returns verl-named metrics averaged over optimizer steps."""
+        """PPO epochs over ``batch``; returns verl-named metrics averaged over optimizer steps,
+        plus ``health/first_minibatch_ppo_kl`` and ``health/first_minibatch_clipfrac``: ppo_kl
+        and pg_clipfrac of the first mini-batch of the first epoch, whose ratio is exactly 1
+        when ``old_log_probs`` came from this policy (both ~0 then; larger values mean the
+        log-prob and update passes disagree)."""
         if self.optimizer is None:
             raise RuntimeError("this ActorWorker was built with trainable=False")
         need = ["responses", "response_mask", "old_log_probs", "advantages"]
@@ -97,6 +115,7 @@ class ActorWorker:
         loss_fn = get_policy_loss(self.cfg.policy_loss)
         mini_size = self.cfg.ppo_mini_batch_size * n_per_prompt
         sums: dict[str, float] = defaultdict(float)
+        health: dict[str, float] = {}
         n_steps = 0
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
@@ -107,26 +126,31 @@ class ActorWorker:
             )
             for mini_idx in split_indices(order, mini_size):
                 step_metrics = self._optimizer_step(batch[mini_idx], loss_fn, temperature)
+                if not health:
+                    health = {
+                        "health/first_minibatch_ppo_kl": step_metrics["actor/ppo_kl"],
+                        "health/first_minibatch_clipfrac": step_metrics["actor/pg_clipfrac"],
+                    }
                 for key, value in step_metrics.items():
                     sums[key] += value
                 n_steps += 1
-        return {key: value / max(n_steps, 1) for key, value in sums.items()}
+        return {**{key: value / max(n_steps, 1) for key, value in sums.items()}, **health}
 
     def _optimizer_step(self, mini: Batch, loss_fn, temperature: float) -> dict[str, float]:
         """One optimizer step over a mini-batch, accumulating micro-batch gradients."""
         cfg = self.cfg
         mask = mini["response_mask"]
-        norms = global_normalisers(mask)
+        norms = all_reduce_sum(global_normalisers(mask))
         agg = {**norms, "loss_scale_factor": cfg.loss_scale_factor}
         total_tokens = max(norms["global_num_tokens"], 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = defaultdict(float)
-        for idx in split_indices(torch.arange(len(mini)), cfg.ppo_micro_batch_size):
+        for idx in self._micro_batches(mini, cfg.ppo_micro_batch_size):
             micro = mini[idx]
             m = micro["response_mask"]
             share = float(m.sum()) / total_tokens
             with self._autocast():
-                log_prob, entropy = policy_forward(
+                log_prob, entropy = self._forward(
                     self.model, micro, temperature, True, entropy_grad=cfg.entropy_coeff != 0
                 )
             weights = micro.get("rollout_is_weights", None)
@@ -156,6 +180,7 @@ class ActorWorker:
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 metrics[f"actor/{key}"] += float(pg_metrics[key]) * share
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        all_reduce_gradients(params)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]

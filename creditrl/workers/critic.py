@@ -10,8 +10,11 @@ import torch
 from creditrl.batch import Batch, require
 from creditrl.config import CriticConfig
 from creditrl.core import compute_value_loss, global_normalisers, masked_mean
+from creditrl.workers.distributed import all_reduce_gradients, all_reduce_sum
 from creditrl.workers.forward import split_indices, trim
+from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
+from creditrl.workers.packing import packed_value_forward
 
 __all__ = ["CriticWorker", "value_forward"]
 
@@ -32,7 +35,12 @@ def value_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class CriticWorker:
-    """Holds a value model (``CriticModel``); ``compute_values`` and ``update_critic``."""
+    """Holds a value model (``CriticModel``); ``compute_values`` and ``update_critic``.
+
+    ``micro_batch_size`` trajectories per ``compute_values`` forward and
+    ``cfg.ppo_micro_batch_size`` per update forward, or ``cfg.max_token_len_per_device``
+    tokens per forward (``use_dynamic_bsz``); ``use_remove_padding`` packs each micro-batch.
+    """
 
     def __init__(
         self,
@@ -50,17 +58,24 @@ class CriticWorker:
             list(model.parameters()), cfg.optim, total_optimizer_steps
         )
         self.generator = torch.Generator().manual_seed(seed + 1)
+        if cfg.max_token_len_per_device < 1:
+            raise ValueError(
+                f"critic.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
+            )
+        self._forward = packed_value_forward if cfg.use_remove_padding else value_forward
+
+    def _micro_batches(self, batch: Batch, size: int) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: ``size`` trajectories, or a token budget."""
+        return micro_batches_for(batch, size, self.cfg)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """values (B, T) for ``batch``, micro-batched; zero where response_mask is 0."""
         require(batch, "input_ids", "attention_mask", "position_ids", "responses", "response_mask")
         self.model.eval()
-        order = torch.arange(len(batch))
-        parts = [
-            value_forward(self.model, batch[i]) for i in split_indices(order, self.micro_batch_size)
-        ]
-        return torch.cat(parts) * batch["response_mask"]
+        indices = self._micro_batches(batch, self.micro_batch_size)
+        parts = [self._forward(self.model, batch[idx]) for idx in indices]
+        return restore_order(parts, indices) * batch["response_mask"]
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         """Epochs of clipped value-loss steps over shuffled mini-batches (verl's update_critic)."""
@@ -79,14 +94,14 @@ class CriticWorker:
         return {key: value / max(n_steps, 1) for key, value in sums.items()}
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
-        norms = global_normalisers(mini["response_mask"])
+        norms = all_reduce_sum(global_normalisers(mini["response_mask"]))
         total_tokens = max(norms["global_num_tokens"], 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = defaultdict(float)
-        for idx in split_indices(torch.arange(len(mini)), self.cfg.ppo_micro_batch_size):
+        for idx in self._micro_batches(mini, self.cfg.ppo_micro_batch_size):
             micro = mini[idx]
             mask = micro["response_mask"]
-            vpreds = value_forward(self.model, micro)
+            vpreds = self._forward(self.model, micro)
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds,
                 micro["returns"],
@@ -102,6 +117,7 @@ class CriticWorker:
             metrics["critic/vf_clipfrac"] += float(vf_clipfrac) * share
             metrics["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * share
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        all_reduce_gradients(params)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
         metrics["critic/grad_norm"] = grad_norm
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]

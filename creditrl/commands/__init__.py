@@ -1,0 +1,12 @@
+"""Subcommands of ``creditrl`` beyond train/config/eval, one module each.
+
+A module listed in ``SUBCOMMANDS`` defines ``register(sub) -> None``, which adds its parser to
+the argparse sub-parsers and sets ``handler=fn(args, console) -> int`` as a default. Modules are
+imported only when the CLI starts, so a heavy dependency stays out of ``import creditrl``.
+"""
+
+from __future__ import annotations
+
+SUBCOMMANDS: list[str] = [
+    "creditrl.commands.explain",
+]

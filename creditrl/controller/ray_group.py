@@ -1,0 +1,229 @@
+"""The Ray worker group: N Ray actors, one ``HybridWorker`` each, joined by a torch.distributed
+process group (gloo on CPU, NCCL when ``trainer.ray.gpus_per_worker`` > 0).
+
+Placement: one bundle of ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs) per rank in a
+placement group (``trainer.ray.placement_strategy``), so the actor, rollout and reference of
+a rank share one process and its device. Batches travel as ``Batch.to_bytes()`` (safetensors
++ JSON) and metrics as JSON: Ray carries opaque bytes, never our objects.
+
+Faults: every call waits with ``ray.wait`` up to ``trainer.call_timeout_s``; a rank whose
+process died, or whose call raised, ends the call with a ``WorkerError`` naming the role and
+rank, and the group kills its remaining actors so none is left blocked in a collective (those
+also time out after ``trainer.collective_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from creditrl.batch import Batch
+from creditrl.config import Config
+from creditrl.config.loader import from_dict, to_dict
+from creditrl.controller.dispatch import Dispatch, collect, split
+from creditrl.controller.worker_group import METHODS, WorkerGroup
+
+__all__ = ["RankActor", "RayWorkerGroup", "WorkerError", "init_ray"]
+
+
+class WorkerError(RuntimeError):
+    """A worker died, raised, or did not answer in time; the message names role and rank."""
+
+
+def encode(result: Any) -> bytes:
+    """A worker's answer as bytes: ``B`` + Batch bytes, or ``J`` + JSON."""
+    if isinstance(result, Batch):
+        return b"B" + result.to_bytes()
+    return b"J" + json.dumps(result).encode()
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of ``encode``."""
+    return Batch.from_bytes(data[1:]) if data[:1] == b"B" else json.loads(data[1:])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankActor:
+    """One rank (wrapped with ``ray.remote`` by the group). Builds its ``HybridWorker`` after
+    joining the process group."""
+
+    def __init__(self, cfg_json: str, rank: int, world: int, threads: int) -> None:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.cfg = from_dict(json.loads(cfg_json))
+        self.rank, self.world = rank, world
+        self.worker = None
+
+    def address(self) -> tuple[str, int, int]:
+        """(this node's address, a free port on it, this process's pid)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        return host, port, os.getpid()
+
+    def setup(self, master_addr: str, master_port: int) -> bool:
+        """Join the process group and build the models."""
+        from creditrl.workers.distributed import init_process_group
+        from creditrl.workers.hybrid import HybridWorker
+
+        trainer = self.cfg.trainer
+        init_process_group(
+            self.rank,
+            self.world,
+            backend="nccl" if trainer.ray.gpus_per_worker > 0 else "gloo",
+            master_addr=master_addr,
+            master_port=master_port,
+            timeout_s=trainer.collective_timeout_s,
+        )
+        self.worker = HybridWorker(self.cfg)
+        return True
+
+    def call(self, method: str, payload: bytes | None, kwargs_json: str) -> bytes:
+        """Run ``HybridWorker.<method>`` on a Batch given as bytes; the answer as bytes."""
+        fn = getattr(self.worker, method)
+        kwargs = json.loads(kwargs_json)
+        result = fn(Batch.from_bytes(payload), **kwargs) if payload is not None else fn(**kwargs)
+        return encode(result)
+
+
+def init_ray(cfg: Config) -> None:
+    """Connect to ``trainer.ray.address`` (or ``$RAY_ADDRESS``), else start a local cluster on
+    loopback with one CPU per rank."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray_cfg = cfg.trainer.ray
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    common = {"namespace": ray_cfg.namespace, "log_to_driver": True}
+    if address:
+        ray.init(address=address, **common)
+        return
+    workers = cfg.trainer.workers
+    ray.init(
+        num_cpus=max(int(workers * ray_cfg.cpus_per_worker + 0.999), 1),
+        num_gpus=int(workers * ray_cfg.gpus_per_worker + 0.999),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        **common,
+    )
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``trainer.workers`` ranks on Ray; see the module docstring."""
+
+    def __init__(self, cfg: Config, role: str = "actor_rollout_ref") -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        init_ray(cfg)
+        self.cfg, self.role = cfg, role
+        self.world_size = n = cfg.trainer.workers
+        ray_cfg = cfg.trainer.ray
+        bundle = {"CPU": ray_cfg.cpus_per_worker}
+        if ray_cfg.gpus_per_worker > 0:
+            bundle["GPU"] = ray_cfg.gpus_per_worker
+        self.placement = placement_group([bundle] * n, strategy=ray_cfg.placement_strategy)
+        self._wait({0: self.placement.ready()}, "placement", cfg.trainer.call_timeout_s)
+        remote = ray.remote(RankActor)
+        cfg_json = json.dumps(to_dict(cfg))
+        threads = max(int(ray_cfg.cpus_per_worker), 1)
+        self.actors = [
+            remote.options(
+                num_cpus=ray_cfg.cpus_per_worker,
+                num_gpus=ray_cfg.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=rank
+                ),
+            ).remote(cfg_json, rank, n, threads)
+            for rank in range(n)
+        ]
+        timeout = cfg.trainer.call_timeout_s
+        host, port, _ = self._wait({0: self.actors[0].address.remote()}, "address", timeout)[0]
+        self.pids = [
+            pid
+            for _, _, pid in self._wait(
+                {r: a.address.remote() for r, a in enumerate(self.actors)}, "address", timeout
+            )
+        ]
+        self._wait(
+            {r: a.setup.remote(host, port) for r, a in enumerate(self.actors)}, "setup", timeout
+        )
+
+    def call(self, method: str, batch: Batch | None = None, **kwargs: Any) -> Any:
+        if method not in METHODS:
+            raise AttributeError(f"worker groups have no method {method!r}")
+        mode, strict = METHODS[method]
+        kwargs_json = json.dumps(kwargs)
+        pad = 0
+        if batch is not None and mode is Dispatch.DP:
+            parts, pad = split(batch, self.world_size, strict=strict, what=method)
+            payloads = [p.to_bytes() for p in parts]
+        else:
+            payloads = [None if batch is None else batch.to_bytes()] * self.world_size
+        ranks = [0] if mode is Dispatch.RANK0 else range(self.world_size)
+        refs = {r: self.actors[r].call.remote(method, payloads[r], kwargs_json) for r in ranks}
+        answers = self._wait(refs, method, self.cfg.trainer.call_timeout_s)
+        return collect([decode(a) for a in answers], mode, pad)
+
+    def _wait(self, refs: dict[int, Any], what: str, timeout: float) -> list[Any]:
+        """Answers in rank order; the first failure or the timeout raises ``WorkerError``."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        by_ref = {ref: rank for rank, ref in refs.items()}
+        answers: dict[int, Any] = {}
+        pending = list(refs.values())
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0)
+            )
+            if not ready:
+                late = sorted(by_ref[r] for r in pending)
+                self.shutdown()
+                raise WorkerError(
+                    f"{self.role} ranks {late} did not finish {what} within {timeout:.0f} s "
+                    "(trainer.call_timeout_s)"
+                )
+            rank = by_ref[ready[0]]
+            try:
+                answers[rank] = ray.get(ready[0])
+            except RayActorError as err:
+                self.shutdown()
+                raise WorkerError(
+                    f"{self.role} rank {rank} died during {what}: {type(err).__name__}"
+                ) from None
+            except (RayTaskError, GetTimeoutError) as err:
+                self.shutdown()
+                cause = getattr(err, "cause", err)
+                raise WorkerError(
+                    f"{self.role} rank {rank} failed in {what}: {type(cause).__name__}: {cause}"
+                ) from None
+        return [answers[r] for r in sorted(answers)]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if getattr(self, "placement", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement)
+            self.placement = None

@@ -1,0 +1,151 @@
+"""torch.distributed among the ranks of a worker group: set-up, data-parallel reductions, and
+Batch transfer as safetensors bytes (never pickle).
+
+Every function is a no-op (or the identity) when no process group is initialised, so the
+workers run unchanged in one process. Collectives time out after the ``timeout_s`` given to
+``init_process_group``: a dead peer surfaces as an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from creditrl.batch import Batch
+
+__all__ = [
+    "all_reduce_gradients",
+    "all_reduce_sum",
+    "broadcast_bytes",
+    "destroy_process_group",
+    "init_process_group",
+    "is_distributed",
+    "rank",
+    "scatter_batches",
+    "world_size",
+]
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    master_addr: str = "127.0.0.1",
+    master_port: int,
+    timeout_s: float = 60.0,
+) -> None:
+    """Join the default process group (TCP store at ``master_addr:master_port``, loopback by
+    default). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU."""
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    """Leave the process group if one is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
+    """The sum over ranks of each value (one float64 all-reduce for the whole dict)."""
+    if not is_distributed() or not values:
+        return dict(values)
+    keys = sorted(values)
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, packed.tolist(), strict=True))
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum each gradient over ranks (DDP's all-reduce, without its averaging: losses here are
+    already divided by global token/sequence counts, so the sum is the full-batch gradient).
+    Gradients are flattened into one buffer per dtype so a step costs one collective each.
+    Sharded (DTensor) gradients were already reduce-scattered by FSDP2, which averages: they
+    are multiplied by the world size instead."""
+    if not is_distributed():
+        return
+    params = list(params)
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is not None and hasattr(p.grad, "to_local"):
+            p.grad.to_local().mul_(world)
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "to_local")]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for grad in group:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Rank ``src`` sends ``data`` to every rank; all ranks return it."""
+    if not is_distributed():
+        if data is None:
+            raise ValueError("broadcast_bytes without a process group needs data")
+        return data
+    length = torch.tensor([len(data) if dist.get_rank() == src else 0], dtype=torch.int64)
+    dist.broadcast(length, src=src)
+    if dist.get_rank() == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src)
+    return buffer.numpy().tobytes()
+
+
+def scatter_batches(parts: list[Batch] | None, src: int = 0) -> Batch:
+    """Rank ``src`` passes one Batch per rank (others pass None); each rank returns its own.
+    Batches travel as ``Batch.to_bytes()`` (safetensors + JSON)."""
+    if not is_distributed():
+        if not parts or len(parts) != 1:
+            raise ValueError("scatter_batches without a process group needs exactly one part")
+        return parts[0]
+    me, world = dist.get_rank(), dist.get_world_size()
+    if me == src:
+        if parts is None or len(parts) != world:
+            raise ValueError(f"rank {src} must pass {world} batches, got {parts and len(parts)}")
+        payloads = [p.to_bytes() for p in parts]
+        lengths = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+    else:
+        lengths = torch.empty(world, dtype=torch.int64)
+    dist.broadcast(lengths, src=src)
+    if me == src:
+        for r, payload in enumerate(payloads):
+            if r != src:
+                dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=r)
+        return parts[src]
+    buffer = torch.empty(int(lengths[me]), dtype=torch.uint8)
+    dist.recv(buffer, src=src)
+    return Batch.from_bytes(buffer.numpy().tobytes())
