@@ -24,6 +24,7 @@ run: $(STAMP)  ## make run ARGS="rollout.n=8 trainer.total_steps=10"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	./scripts/install_chromium.sh || true  # headless Chromium for the HTML tests (else they skip)
 	$(PY) -m pytest
 
 bench: $(STAMP)

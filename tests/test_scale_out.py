@@ -32,7 +32,7 @@ COMPARED = (
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="test")
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="test")
     yield
     ray.shutdown()
 
@@ -59,6 +59,30 @@ def test_dispatch_keeps_order_and_refuses_uneven_updates() -> None:
     assert collect([{"a": 1}, {"a": 2}], Dispatch.ALL) == {"a": 1}
     assert decode(encode({"m": 1.5})) == {"m": 1.5}
     assert decode(encode(batch)).equals(batch)
+
+
+def test_collect_right_pads_ranks_with_shorter_responses() -> None:
+    short = Batch.from_dict(
+        {
+            "responses": torch.tensor([[5, 2]]),
+            "response_mask": torch.tensor([[1, 1]]),
+            "position_ids": torch.tensor([[0, 1, 2, 3]]),
+            "score": torch.tensor([1.0]),
+        }
+    )
+    long = Batch.from_dict(
+        {
+            "responses": torch.tensor([[6, 7, 8]]),
+            "response_mask": torch.tensor([[1, 1, 1]]),
+            "position_ids": torch.tensor([[0, 1, 2, 3, 4]]),
+            "score": torch.tensor([0.5]),
+        }
+    )
+    both = collect([short, long], Dispatch.DP, pad=0, pad_token_id=2)
+    assert both["responses"].tolist() == [[5, 2, 2], [6, 7, 8]]
+    assert both["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert both["position_ids"].tolist() == [[0, 1, 2, 3, 3], [0, 1, 2, 3, 4]]
+    assert both["score"].tolist() == [1.0, 0.5]
 
 
 def test_ray_two_workers_match_in_process(tmp_path: Path, ray_cluster) -> None:
@@ -112,3 +136,24 @@ def test_killed_worker_is_named_and_rerun_resumes(tmp_path: Path, ray_cluster) -
     )
     resumed.fit()
     assert [step for step in sorted(read_metrics(out)) if step > 0] == [1, 2, 3]
+
+
+def test_ppo_with_the_critic_in_its_own_pool(tmp_path: Path, ray_cluster) -> None:
+    cfg = config(
+        tmp_path,
+        "preset=ppo",
+        "trainer.backend=ray",
+        "trainer.workers=2",
+        "trainer.critic_placement=separate",
+        "trainer.total_steps=1",
+        "trainer.test_freq=0",
+    )
+    trainer = RLTrainer(cfg)
+    assert trainer.workers.critic.role == "critic"
+    assert len(set(trainer.workers.actor.pids) & set(trainer.workers.critic.pids)) == 0
+    trainer.fit()
+    metrics = read_metrics(tmp_path)[1]
+    assert "critic/vf_loss" in metrics and "actor/pg_loss" in metrics
+    assert trainer.last_batch["values"].shape == trainer.last_batch["responses"].shape
+    files = {p.name for p in (tmp_path / "checkpoints" / "step_000001").iterdir()}
+    assert {"actor.model.safetensors", "critic.model.safetensors"} <= files

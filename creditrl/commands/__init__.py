@@ -9,4 +9,5 @@ from __future__ import annotations
 
 SUBCOMMANDS: list[str] = [
     "creditrl.commands.explain",
+    "creditrl.commands.report",
 ]

@@ -102,7 +102,9 @@ def _add_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--actor", help="π_old weights: a run checkpoint dir or a model dir")
     cmd.add_argument("--critic", help="critic: a run checkpoint dir or a saved critic dir")
     cmd.add_argument(
-        "--theta", help="π_θ weights (checkpoint or model dir): adds log π_θ, ratio, clip flag"
+        "--theta",
+        help="π_θ weights: a run checkpoint dir (RUN/checkpoints = the latest) or a model dir; "
+        "adds log π_θ, the ratio and the clip flag",
     )
     cmd.add_argument("--raw-prompt", action="store_true", help="no chat template on --prompt")
     cmd.add_argument("--no-eos", action="store_true", help="do not end responses with EOS")

@@ -110,3 +110,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 def from_dict(data: dict[str, Any]) -> Config:
     """Inverse of ``to_dict`` (how a config travels to a worker process, as JSON)."""
     return OmegaConf.to_object(_merge(OmegaConf.structured(Config), data, "a config dict"))
+
+
+def save_resolved_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically), so tools can read a run's settings."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(to_dict(cfg)))
+    tmp.replace(path)

@@ -59,6 +59,11 @@ class RolloutConfig:
     micro_batch_size: int = 64  # trajectories generated together
     val_temperature: float = 0.0  # 0: greedy
     val_n: int = 1
+    # engine=vllm only (GPU, `pip install 'creditrl[vllm]'`; creditrl.rollout.vllm_engine):
+    gpu_memory_utilization: float = 0.5  # share of the GPU vLLM may take (weights + KV cache)
+    enable_sleep_mode: bool = True  # free vLLM's GPU memory between rollouts (colocated)
+    vllm_dtype: str = "bfloat16"  # vLLM's weight/activation dtype
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine; in-place weight updates need 1
 
 
 @dataclass
@@ -226,6 +231,7 @@ class TrainerConfig:
     strategy: str = "ddp"  # ddp (replicated weights, summed gradients) | fsdp2 (fully_shard)
     fsdp_cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on CPU
     fsdp_param_dtype: str = "float32"  # fsdp2 mixed precision (bfloat16 on GPU)
+    critic_placement: str = "colocated"  # colocated (in each rank) | separate (own Ray pool)
     balance_batch: bool = True  # reorder samples so each rank gets about the same tokens
     checkpoint_format: str = "full"  # full (gathered, one file per model) | sharded (per rank)
     collective_timeout_s: float = 300.0  # a collective waiting longer than this fails the step

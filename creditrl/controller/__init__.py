@@ -17,8 +17,19 @@ def build_worker_group(cfg: Config) -> WorkerGroup:
                 "(the local backend is one process)"
             )
         return LocalWorkerGroup(cfg)
+    if cfg.trainer.critic_placement not in ("colocated", "separate"):
+        raise ValueError(
+            "trainer.critic_placement must be 'colocated' or 'separate', got "
+            f"{cfg.trainer.critic_placement!r}"
+        )
     if cfg.trainer.backend == "ray":
-        from creditrl.controller.ray_group import RayWorkerGroup
+        from creditrl.controller.ray_group import RayWorkerGroup, RoutedWorkerGroup
 
-        return RayWorkerGroup(cfg)
+        separate = (
+            cfg.trainer.critic_placement == "separate" and cfg.algorithm.adv_estimator == "gae"
+        )
+        if not separate:
+            return RayWorkerGroup(cfg)
+        actor = RayWorkerGroup(cfg, "actor_rollout_ref", ("actor",))
+        return RoutedWorkerGroup(actor, RayWorkerGroup(cfg, "critic", ("critic",)))
     raise ValueError(f"trainer.backend must be 'local' or 'ray', got {cfg.trainer.backend!r}")

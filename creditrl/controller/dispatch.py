@@ -15,9 +15,11 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import torch
+
 from creditrl.batch import Batch, pad_to_divisor, unpad
 
-__all__ = ["Dispatch", "collect", "split"]
+__all__ = ["Dispatch", "collect", "right_pad", "split"]
 
 
 class Dispatch(enum.Enum):
@@ -39,8 +41,42 @@ def split(batch: Batch, world: int, *, strict: bool = False, what: str = "") -> 
     return padded.chunk(world), pad
 
 
-def collect(results: list[Any], mode: Dispatch, pad: int = 0) -> Any:
-    """Combine per-rank answers: concatenation for DP Batches, rank 0's answer otherwise."""
+# Right-padded (B, T) fields whose padding value is not 0; ``position_ids`` repeat their last
+# column (a right-padded row's positions stop growing after its last real token).
+EDGE_PADDED = ("position_ids",)
+PAD_ID_FIELDS = ("responses", "input_ids")
+
+
+def right_pad(batches: list[Batch], pad_token_id: int) -> list[Batch]:
+    """Widen every 2-D tensor field to its widest version across ``batches`` (ranks' responses
+    end at different lengths): token ids with ``pad_token_id``, ``position_ids`` with their
+    last column, everything else (masks, log-probs, scores) with 0."""
+    widths: dict[str, int] = {}
+    for batch in batches:
+        for key, value in batch.tensors.items():
+            if value.ndim >= 2:
+                widths[key] = max(widths.get(key, 0), value.shape[1])
+    out = []
+    for batch in batches:
+        batch = batch[:]
+        for key, width in widths.items():
+            value = batch[key]
+            missing = width - value.shape[1]
+            if missing <= 0:
+                continue
+            if key in EDGE_PADDED:
+                fill = value[:, -1:].expand(-1, missing, *value.shape[2:])
+            else:
+                pad_value = pad_token_id if key in PAD_ID_FIELDS else 0
+                fill = value.new_full((value.shape[0], missing, *value.shape[2:]), pad_value)
+            batch[key] = torch.cat([value, fill], dim=1)
+        out.append(batch)
+    return out
+
+
+def collect(results: list[Any], mode: Dispatch, pad: int = 0, pad_token_id: int = 0) -> Any:
+    """Combine per-rank answers: concatenation for DP Batches (right-padded to a common
+    width), rank 0's answer otherwise."""
     if mode is Dispatch.DP and isinstance(results[0], Batch):
-        return unpad(Batch.concat(results), pad)
+        return unpad(Batch.concat(right_pad(results, pad_token_id)), pad)
     return results[0]

@@ -1,6 +1,11 @@
 """The Ray worker group: N Ray actors, one ``HybridWorker`` each, joined by a torch.distributed
 process group (gloo on CPU, NCCL when ``trainer.ray.gpus_per_worker`` > 0).
 
+Resource pools: by default one pool holds every role (actor, rollout, reference and critic
+share each rank's process and device). ``trainer.critic_placement=separate`` gives the critic
+its own pool of ``trainer.workers`` ranks (its own placement group and process group), and
+``RoutedWorkerGroup`` sends each call to the pool that holds its role.
+
 Placement: one bundle of ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs) per rank in a
 placement group (``trainer.ray.placement_strategy``), so the actor, rollout and reference of
 a rank share one process and its device. Batches travel as ``Batch.to_bytes()`` (safetensors
@@ -28,7 +33,7 @@ from creditrl.config.loader import from_dict, to_dict
 from creditrl.controller.dispatch import Dispatch, collect, split
 from creditrl.controller.worker_group import METHODS, WorkerGroup
 
-__all__ = ["RankActor", "RayWorkerGroup", "WorkerError", "init_ray"]
+__all__ = ["RankActor", "RayWorkerGroup", "RoutedWorkerGroup", "WorkerError", "init_ray"]
 
 
 class WorkerError(RuntimeError):
@@ -57,11 +62,13 @@ class RankActor:
     """One rank (wrapped with ``ray.remote`` by the group). Builds its ``HybridWorker`` after
     joining the process group."""
 
-    def __init__(self, cfg_json: str, rank: int, world: int, threads: int) -> None:
+    def __init__(
+        self, cfg_json: str, rank: int, world: int, threads: int, roles: list[str]
+    ) -> None:
         if threads > 0:
             torch.set_num_threads(threads)
         self.cfg = from_dict(json.loads(cfg_json))
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.roles = rank, world, tuple(roles)
         self.worker = None
 
     def address(self) -> tuple[str, int, int]:
@@ -74,8 +81,8 @@ class RankActor:
             port = int(sock.getsockname()[1])
         return host, port, os.getpid()
 
-    def setup(self, master_addr: str, master_port: int) -> bool:
-        """Join the process group and build the models."""
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group and build the models; returns the pad token id."""
         from creditrl.workers.distributed import init_process_group
         from creditrl.workers.hybrid import HybridWorker
 
@@ -88,8 +95,8 @@ class RankActor:
             master_port=master_port,
             timeout_s=trainer.collective_timeout_s,
         )
-        self.worker = HybridWorker(self.cfg)
-        return True
+        self.worker = HybridWorker(self.cfg, roles=self.roles)
+        return int(self.worker.tokenizer.pad_token_id)
 
     def call(self, method: str, payload: bytes | None, kwargs_json: str) -> bytes:
         """Run ``HybridWorker.<method>`` on a Batch given as bytes; the answer as bytes."""
@@ -101,7 +108,7 @@ class RankActor:
 
 def init_ray(cfg: Config) -> None:
     """Connect to ``trainer.ray.address`` (or ``$RAY_ADDRESS``), else start a local cluster on
-    loopback with one CPU per rank."""
+    loopback with the CPUs (and GPUs) the pools' bundles ask for."""
     import ray
 
     if ray.is_initialized():
@@ -112,10 +119,11 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, **common)
         return
-    workers = cfg.trainer.workers
+    pools = 2 if cfg.trainer.critic_placement == "separate" else 1
+    ranks = pools * cfg.trainer.workers
     ray.init(
-        num_cpus=max(int(workers * ray_cfg.cpus_per_worker + 0.999), 1),
-        num_gpus=int(workers * ray_cfg.gpus_per_worker + 0.999),
+        num_cpus=max(int(ranks * ray_cfg.cpus_per_worker + 0.999), 1),
+        num_gpus=int(ranks * ray_cfg.gpus_per_worker + 0.999),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         **common,
@@ -125,7 +133,12 @@ def init_ray(cfg: Config) -> None:
 class RayWorkerGroup(WorkerGroup):
     """``trainer.workers`` ranks on Ray; see the module docstring."""
 
-    def __init__(self, cfg: Config, role: str = "actor_rollout_ref") -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        role: str = "actor_rollout_ref",
+        roles: tuple[str, ...] = ("actor", "critic"),
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -149,7 +162,7 @@ class RayWorkerGroup(WorkerGroup):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=rank
                 ),
-            ).remote(cfg_json, rank, n, threads)
+            ).remote(cfg_json, rank, n, threads, list(roles))
             for rank in range(n)
         ]
         timeout = cfg.trainer.call_timeout_s
@@ -160,9 +173,9 @@ class RayWorkerGroup(WorkerGroup):
                 {r: a.address.remote() for r, a in enumerate(self.actors)}, "address", timeout
             )
         ]
-        self._wait(
+        self.pad_token_id = self._wait(
             {r: a.setup.remote(host, port) for r, a in enumerate(self.actors)}, "setup", timeout
-        )
+        )[0]
 
     def call(self, method: str, batch: Batch | None = None, **kwargs: Any) -> Any:
         if method not in METHODS:
@@ -178,7 +191,7 @@ class RayWorkerGroup(WorkerGroup):
         ranks = [0] if mode is Dispatch.RANK0 else range(self.world_size)
         refs = {r: self.actors[r].call.remote(method, payloads[r], kwargs_json) for r in ranks}
         answers = self._wait(refs, method, self.cfg.trainer.call_timeout_s)
-        return collect([decode(a) for a in answers], mode, pad)
+        return collect([decode(a) for a in answers], mode, pad, self.pad_token_id)
 
     def _wait(self, refs: dict[int, Any], what: str, timeout: float) -> list[Any]:
         """Answers in rank order; the first failure or the timeout raises ``WorkerError``."""
@@ -227,3 +240,29 @@ class RayWorkerGroup(WorkerGroup):
 
             remove_placement_group(self.placement)
             self.placement = None
+
+
+class RoutedWorkerGroup(WorkerGroup):
+    """Two pools behind one interface: critic calls go to ``critic``, the rest to ``actor``;
+    checkpoints are written and read by both (their files do not overlap)."""
+
+    CRITIC_METHODS = ("compute_values", "update_critic")
+
+    def __init__(self, actor: WorkerGroup, critic: WorkerGroup) -> None:
+        self.actor, self.critic = actor, critic
+        self.world_size = actor.world_size
+
+    def call(self, method: str, batch: Batch | None = None, **kwargs: Any) -> Any:
+        if method in self.CRITIC_METHODS:
+            return self.critic.call(method, batch, **kwargs)
+        if method == "save_checkpoint":
+            meta = self.actor.call(method, batch, **kwargs)
+            return {**meta, **self.critic.call(method, batch, **kwargs)}
+        if method == "load_checkpoint":
+            self.actor.call(method, batch, **kwargs)
+            return self.critic.call(method, batch, **kwargs)
+        return self.actor.call(method, batch, **kwargs)
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+        self.critic.shutdown()

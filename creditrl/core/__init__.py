@@ -40,6 +40,7 @@ from creditrl.core.policy_losses import (
     compute_policy_loss_ppo,
     compute_policy_loss_sapo,
     get_policy_loss,
+    log_ratio,
     register_policy_loss,
 )
 from creditrl.core.rewards import (
@@ -98,6 +99,7 @@ __all__ = [
     "kl_penalty",
     "last_valid_index",
     "log_probs_from_logits",
+    "log_ratio",
     "masked_mean",
     "masked_sum",
     "masked_var",

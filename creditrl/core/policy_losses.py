@@ -37,6 +37,7 @@ __all__ = [
     "compute_policy_loss_ppo",
     "compute_policy_loss_sapo",
     "get_policy_loss",
+    "log_ratio",
     "register_policy_loss",
 ]
 
@@ -84,7 +85,7 @@ class PolicyLossConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
-def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+def log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
     """log r_{i,t} = clamp(log π_θ - log π_old, -20, 20) (the clamp keeps exp finite)."""
     return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
@@ -139,7 +140,7 @@ def compute_policy_loss_ppo(
     cfg = config or PolicyLossConfig()
     if cfg.clip_ratio_c <= 1.0:
         raise ValueError(f"dual-clip PPO needs clip_ratio_c > 1, got {cfg.clip_ratio_c}")
-    ratio = torch.exp(_log_ratio(old_log_prob, log_prob))
+    ratio = torch.exp(log_ratio(old_log_prob, log_prob))
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cfg.low, 1.0 + cfg.high)
     clipped = torch.maximum(pg_losses1, pg_losses2)
@@ -232,7 +233,7 @@ def compute_policy_loss_cispo(
     ``clip_ratio_low`` / ``clip_ratio_high``. ``pg_clipfrac`` = mean of [clip(r) != r].
     """
     cfg = config or PolicyLossConfig()
-    ratio = torch.exp(_log_ratio(old_log_prob, log_prob))
+    ratio = torch.exp(log_ratio(old_log_prob, log_prob))
     clipped_ratio = torch.clamp(ratio, 1.0 - cfg.low, 1.0 + cfg.high).detach()
     pg_losses = -clipped_ratio * advantages * log_prob
     pg_clipfrac = masked_mean((ratio != clipped_ratio).to(ratio.dtype), response_mask)
@@ -297,7 +298,7 @@ def compute_policy_loss_sapo(
     cfg = config or PolicyLossConfig()
     if cfg.tau_pos <= 0 or cfg.tau_neg <= 0:
         raise ValueError(f"sapo needs tau_pos, tau_neg > 0, got {cfg.tau_pos}, {cfg.tau_neg}")
-    ratio = torch.exp(_log_ratio(old_log_prob, log_prob))
+    ratio = torch.exp(log_ratio(old_log_prob, log_prob))
     taus = torch.where(
         advantages > 0,
         torch.as_tensor(cfg.tau_pos, dtype=ratio.dtype, device=ratio.device),

@@ -9,7 +9,8 @@
 ``per_token`` (first ``rows_per_step`` rows only) covers the response's real tokens, columns
 j = 0..L-1 with L = the response part of ``attention_mask`` summed (step t = j + 1, spec 000):
 ``ids``, ``tokens`` and each of ``PER_TOKEN_FIELDS`` that the batch holds, floats rounded to 6
-decimals (non-finite as null).
+decimals (non-finite as null); also ``prompt_ids``, the prompt's real token ids, so that a model
+can recompute log-probs on exactly these tokens.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class RolloutDumper:
             if i < self.rows_per_step:
                 per_token: dict[str, Any] = {
                     "ids": response_ids,
+                    "prompt_ids": prompt_ids,
                     "tokens": list(self.tokenizer.convert_ids_to_tokens(response_ids)),
                 }
                 for name in present:

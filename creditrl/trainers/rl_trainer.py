@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from creditrl.batch import Batch, balance_batch
 from creditrl.config import Config
-from creditrl.config.loader import to_dict
+from creditrl.config.loader import save_resolved_config, to_dict
 from creditrl.controller import build_worker_group
 from creditrl.core import get_kl_controller
 from creditrl.data import ResumableSampler, build_datasets, collate_prompts
@@ -108,6 +108,7 @@ class RLTrainer:
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
+        save_resolved_config(cfg, self.out / "config.yaml")
         self.dumper = RolloutDumper(self.out, cfg.trainer.rollout_dump_rows, self.tokenizer)
         self.step = 0
 
