@@ -202,7 +202,7 @@ def test_counter_uniforms_are_splitmix64():
         expected = [reference(int(s), step) for s in seeds]
         assert counter_uniforms(seeds, step).tolist() == expected
     u = counter_uniforms(torch.arange(20000), 0)
-    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.01
 
 
