@@ -5,11 +5,13 @@ The same class serves the in-process backend (one rank, no process group) and ev
 the Ray backend (a process group among the ranks; each gets its data-parallel shard of the
 Batch). Methods take a Batch and return a Batch of the new fields only, or a metrics dict.
 
-Weights the rollout uses: under ``ddp`` (and in one process) the engine samples with the
+Weights the rollout uses: under ``ddp`` (and in one process) the HF engine samples with the
 actor's own modules, so an update is visible at once; under ``fsdp2`` the actor's parameters
 are sharded, so the engine holds a full copy that ``sync_rollout_weights`` refreshes from the
 shards after each update (all ranks must generate the same number of forward passes
-otherwise, which sampling cannot promise).
+otherwise, which sampling cannot promise). A vLLM engine (``rollout.engine=vllm``) holds its
+own weights on the GPU; they are pushed in place after every update, and the engine sleeps
+outside rollouts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from creditrl.models import (
     load_tokenizer,
     resolve_model_path,
 )
-from creditrl.rollout import HFRolloutEngine
+from creditrl.rollout import build_rollout_engine
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
@@ -111,7 +113,12 @@ class HybridWorker:
         elif self.use_ref:
             ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
         sharded = self.world > 1 and cfg.trainer.strategy == "fsdp2"
-        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False) if sharded else policy
+        self.uses_vllm = cfg.rollout.engine == "vllm"
+        if self.uses_vllm and cfg.model.lora_rank > 0:
+            raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        rollout_model = policy
+        if sharded and not self.uses_vllm:
+            rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
         shard_model(
             policy,
             cfg.trainer.strategy,
@@ -129,9 +136,17 @@ class HybridWorker:
         )
         if ref_model is not None:
             self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
-        self.rollout = HFRolloutEngine(
-            rollout_model, self.tokenizer, cfg.rollout, seed=cfg.trainer.seed + self.rank
+        llm_kwargs = {"distributed_executor_backend": "external_launcher"} if self.world > 1 else {}
+        self.rollout = build_rollout_engine(
+            rollout_model,
+            self.model_path,
+            self.tokenizer,
+            cfg.rollout,
+            seed=cfg.trainer.seed + self.rank,
+            llm_kwargs=llm_kwargs if self.uses_vllm else None,
         )
+        if self.uses_vllm:
+            self.sync_rollout_weights()
         if cfg.agent.enable:
             from creditrl.agents.rollout import AgentRollout
 
@@ -163,8 +178,15 @@ class HybridWorker:
     def generate(
         self, prompts: Batch, greedy: bool = False, temperature: float | None = None
     ) -> Batch:
-        """Sample one response per prompt row (see ``HFRolloutEngine.generate``)."""
-        return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
+        """Sample one response per prompt row (see ``HFRolloutEngine.generate``); a vLLM engine
+        wakes up for it and sleeps after, giving the GPU memory back to training."""
+        if not self.uses_vllm:
+            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
+        self.rollout.wake_up()
+        try:
+            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
+        finally:
+            self.rollout.sleep()
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``old_log_probs`` and ``entropys`` under the actor."""
@@ -195,7 +217,13 @@ class HybridWorker:
         return _reduce(self.critic.update_critic(batch, self.critic_n))
 
     def sync_rollout_weights(self) -> None:
-        """Refresh the rollout engine's full copy from the sharded actor (fsdp2 only)."""
+        """Push the actor's weights to the rollout: nothing when the HF engine samples with the
+        actor's own modules; a full copy gathered from the shards (fsdp2); or, for vLLM, the
+        full state dict loaded in place (its KV cache stays asleep until the next rollout)."""
+        if self.uses_vllm:
+            self.rollout.wake_up(tags=["weights"])
+            self.rollout.update_weights(full_state_dict(self.actor.model).items())
+            return
         if self.rollout.model is self.actor.model:
             return
         self.rollout.model.load_state_dict(full_state_dict(self.actor.model))

@@ -1,0 +1,556 @@
+"""The GPU rollout engine: vLLM behind ``HFRolloutEngine``'s interface (``rollout.engine=vllm``).
+
+Token ids in, token ids out: each prompt row's real ids (left padding stripped with its
+``attention_mask``) go to vLLM as ``{"prompt_token_ids": ids}`` (vLLM's ``TokensPrompt``), and
+the ids vLLM samples come back as they are; nothing is decoded or re-encoded
+(``detokenize=False``). The returned Batch has exactly the fields ``HFRolloutEngine`` writes,
+so every later stage is unchanged.
+
+``rollout_log_probs[:, j]`` is log pi_sample(y_{j+1} | s_{j+1}), the sampled token's log-prob
+under the sampling distribution, the same definition as ``creditrl.rollout.sampling``: the
+logits divided by the temperature, then top-k / top-p filtered and renormalised (greedy:
+``log_softmax`` of the unscaled logits). vLLM's default ``logprobs_mode="raw_logprobs"``
+returns log-probs of the raw logits, *before* temperature and top-k/top-p; this engine builds
+``LLM(logprobs_mode="processed_logprobs")``, whose log-probs are taken after every logits
+processor including temperature and top-k/top-p (vLLM PR #22387, in 0.10.2 and later; greedy
+requests get ``log_softmax`` of the unscaled logits), and asks for
+``SamplingParams(logprobs=0)``: the sampled token only. Top-k keeps ties with the k-th logit
+and top-p drops a token when the mass of the more likely ones reaches p, in both engines.
+
+Reproducibility: each trajectory is its own vLLM request with ``SamplingParams(seed=...)``,
+taken from the batch's ``sample_seed`` (B,) int64 field when present (mod 2^63), else drawn
+from the engine's ``generator`` (CPU ``torch.Generator``, seeded by ``seed``). vLLM gives a
+seeded request its own random generator, so its samples do not depend on which other requests
+share the batch (up to float rounding of batch-size dependent kernels). The same seed does
+not give the same tokens as the HF engine: the two draw their randomness differently.
+
+Weights: colocated with the trainer on one GPU, ``update_weights(model.named_parameters())``
+loads the trainer's tensors in place through ``LLM.collective_rpc`` into
+``WeightLoaderExtension`` (vLLM's ``worker_extension_cls``), i.e. the model's own
+``load_weights`` (which fuses q/k/v and gate/up, skips a tied ``lm_head`` and casts to the
+engine dtype), then resets the prefix cache. This needs the engine core and its worker in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with ``tensor_parallel_size=1``, or
+``distributed_executor_backend="external_launcher"`` on every rank of a torch.distributed
+job), so the tensors pass by reference: nothing is serialised. ``sleep()`` / ``wake_up()``
+free and restore vLLM's GPU memory (weights and KV cache) between rollout phases
+(``enable_sleep_mode``).
+
+The request building (``prompt_token_lists``, ``request_seeds``, ``sampling_param_dicts``) and
+the response assembly (``completions_from_outputs``, ``assemble_rollout``) are plain functions
+that need neither vLLM nor a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from creditrl.batch import Batch
+from creditrl.config.schema import RolloutConfig
+from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of
+
+__all__ = [
+    "LOGPROBS_MODE",
+    "WORKER_EXTENSION",
+    "VLLMRolloutEngine",
+    "WeightLoaderExtension",
+    "assemble_rollout",
+    "completions_from_outputs",
+    "eos_token_ids_from_dir",
+    "prompt_token_lists",
+    "request_seeds",
+    "sampling_param_dicts",
+    "vllm_unavailable_reason",
+]
+
+LOGPROBS_MODE = "processed_logprobs"
+WORKER_EXTENSION = "creditrl.rollout.vllm_engine.WeightLoaderExtension"
+_SEED_MODULUS = 1 << 63
+_DEFAULT_CHUNK_BYTES = 1 << 29  # 512 MiB of tensors per collective_rpc call
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why the vLLM engine cannot run here (missing package or no CUDA GPU), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vllm is not installed: install the extra with `pip install 'creditrl[vllm]'` "
+            "(vLLM needs a CUDA GPU)"
+        )
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM needs one"
+    return None
+
+
+# ---- request building (pure) ---------------------------------------------------------------
+
+
+def prompt_token_lists(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> list[list[int]]:
+    """Each row's real prompt ids: ``input_ids[i, P - k_i:]`` with k_i = sum of its mask.
+
+    Rows must be left-padded and non-empty (mask ``0..0 1..1``), since vLLM receives only the
+    real ids and numbers them 0..k_i-1; when ``position_ids`` are given they must be exactly
+    those positions on the real tokens. Any other row is a ValueError naming it.
+    """
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must be the same (B, P) shape"
+        )
+    ids, mask = input_ids.long().cpu(), attention_mask.long().cpu()
+    width = ids.shape[1]
+    lengths = mask.sum(dim=1)
+    left_padded = (torch.arange(width)[None] >= width - lengths[:, None]).long()
+    bad = ((mask != left_padded).any(dim=1) | (lengths == 0)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"prompt rows {bad[:10]} are not left-padded non-empty prompts (attention_mask must "
+            "be 0..0 1..1): the vLLM engine sends only each row's real ids"
+        )
+    if position_ids is not None:
+        if position_ids.shape != ids.shape:
+            raise ValueError(
+                f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(ids.shape)}"
+            )
+        expected = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        moved = ((position_ids.long().cpu() != expected) & (mask == 1)).any(dim=1)
+        rows = moved.nonzero().flatten().tolist()
+        if rows:
+            raise ValueError(
+                f"prompt rows {rows[:10]} have position_ids other than 0..k-1 on their real "
+                "tokens; vLLM numbers prompt positions 0..k-1"
+            )
+    return [row[width - n :].tolist() for row, n in zip(ids, lengths.tolist(), strict=True)]
+
+
+def request_seeds(prompts: Batch, generator: torch.Generator) -> list[int]:
+    """One vLLM seed per row: its ``sample_seed`` mod 2^63 when the batch has that field
+    (trainer seeds are below 2^62 and pass unchanged), else one draw in [0, 2^62) per row, in
+    row order, from ``generator`` (a CPU generator)."""
+    if "sample_seed" in prompts:
+        return [int(s) % _SEED_MODULUS for s in prompts["sample_seed"].tolist()]
+    return torch.randint(0, 1 << 62, (len(prompts),), generator=generator).tolist()
+
+
+def sampling_param_dicts(
+    params: SamplingParams,
+    num_rows: int,
+    seeds: Sequence[int] | None,
+    stop_token_ids: Sequence[int],
+) -> list[dict[str, Any]]:
+    """Keyword arguments of one ``vllm.SamplingParams`` per row.
+
+    Every request samples one completion (``n=1``) of at most ``max_new_tokens`` tokens,
+    returns the sampled token's log-prob only (``logprobs=0``) and no text
+    (``detokenize=False``), with penalties and min-p explicitly off. It stops just after an id
+    of ``stop_token_ids`` (kept in the output) and on nothing else: ``ignore_eos=True`` makes
+    the list exact, so an empty list never stops early (as ``HFRolloutEngine`` with
+    ``eos_token_ids=[]``). Greedy rows get temperature 0 and no seed; sampled rows get
+    ``seeds[i]``, ``top_k`` (0 when off) and ``top_p``.
+    """
+    base: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_new_tokens,
+        "min_tokens": 0,
+        "logprobs": 0,
+        "stop_token_ids": [int(t) for t in stop_token_ids],
+        "ignore_eos": True,
+        "detokenize": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+    }
+    if params.greedy:
+        base.update(temperature=0.0, top_k=0, top_p=1.0, seed=None)
+        return [dict(base) for _ in range(num_rows)]
+    if seeds is None or len(seeds) != num_rows:
+        got = None if seeds is None else len(seeds)
+        raise ValueError(f"sampling needs one seed per row: {num_rows} rows, {got} seeds")
+    base.update(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p)
+    return [{**base, "seed": int(seed)} for seed in seeds]
+
+
+# ---- response assembly (pure) --------------------------------------------------------------
+
+
+def completions_from_outputs(outputs: Sequence[Any]) -> list[tuple[list[int], list[float]]]:
+    """(sampled ids, their log-probs) of each vLLM ``RequestOutput``, in order.
+
+    Reads ``outputs[i].outputs[0].token_ids`` and ``.logprobs`` (one ``{token_id: Logprob}``
+    per position, with ``.logprob``); a missing log-prob, an aborted or empty completion is a
+    ValueError naming the row.
+    """
+    completions = []
+    for i, request_output in enumerate(outputs):
+        if len(request_output.outputs) != 1:
+            raise ValueError(
+                f"row {i}: expected one completion per request, got {len(request_output.outputs)}"
+            )
+        completion = request_output.outputs[0]
+        ids = [int(t) for t in completion.token_ids]
+        reason = getattr(completion, "finish_reason", None)
+        if not ids or reason == "abort":
+            raise ValueError(f"row {i}: vLLM returned no completion (finish_reason={reason!r})")
+        if completion.logprobs is None or len(completion.logprobs) != len(ids):
+            raise ValueError(
+                f"row {i}: vLLM returned no log-prob per sampled token (SamplingParams.logprobs "
+                "must be 0)"
+            )
+        log_probs = []
+        for j, (token, entry) in enumerate(zip(ids, completion.logprobs, strict=True)):
+            logprob = entry.get(token) if entry else None
+            if logprob is None:
+                raise ValueError(f"row {i}, token {j}: no log-prob for the sampled id {token}")
+            log_probs.append(float(logprob.logprob))
+        completions.append((ids, log_probs))
+    return completions
+
+
+def assemble_rollout(
+    prompts: Batch,
+    completions: Sequence[tuple[Sequence[int], Sequence[float]]],
+    *,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    max_response_length: int,
+) -> Batch:
+    """The rollout Batch of ``HFRolloutEngine.generate`` from per-row (ids, log-probs).
+
+    Each row's response is cut just after its first id in ``eos_token_ids`` (the EOS is kept,
+    as the HF engine keeps it); T = the longest response. New fields, on the prompts' device:
+    ``prompts`` (the input ids, left-padded as given), ``responses`` (B, T) right-padded with
+    ``pad_token_id``, ``response_mask`` 1 on the first L_i columns, ``input_ids`` /
+    ``attention_mask`` the concatenations, ``position_ids = clamp(cumsum(attention_mask) - 1,
+    0)``, ``rollout_log_probs`` (B, T) float32, 0 on padding. The input's other tensors,
+    non-tensors and meta are kept.
+    """
+    if len(completions) != len(prompts):
+        raise ValueError(f"{len(completions)} completions for {len(prompts)} prompt rows")
+    eos = {int(t) for t in eos_token_ids}
+    cut: list[tuple[list[int], list[float]]] = []
+    for i, (ids, log_probs) in enumerate(completions):
+        ids, log_probs = [int(t) for t in ids], [float(x) for x in log_probs]
+        if len(ids) != len(log_probs):
+            raise ValueError(f"row {i}: {len(ids)} ids but {len(log_probs)} log-probs")
+        end = next((k + 1 for k, token in enumerate(ids) if token in eos), len(ids))
+        if end > max_response_length:
+            raise ValueError(
+                f"row {i}: {end} response tokens exceed max_response_length={max_response_length}"
+            )
+        cut.append((ids[:end], log_probs[:end]))
+    lengths = torch.tensor([len(ids) for ids, _ in cut], dtype=torch.long)
+    width = int(lengths.max()) if len(cut) else 0
+    responses = torch.full((len(cut), width), pad_token_id, dtype=torch.long)
+    rollout_log_probs = torch.zeros((len(cut), width), dtype=torch.float32)
+    for i, (ids, log_probs) in enumerate(cut):
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        rollout_log_probs[i, : len(ids)] = torch.tensor(log_probs, dtype=torch.float32)
+    device = prompts["input_ids"].device
+    ids = prompts["input_ids"].to(dtype=torch.long).cpu()
+    mask = prompts["attention_mask"].to(dtype=torch.long).cpu()
+    response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    attention_mask = torch.cat([mask, response_mask], dim=1)
+    fields = {
+        "prompts": ids,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "rollout_log_probs": rollout_log_probs,
+    }
+    tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
+    tensors.update({k: v.to(device) for k, v in fields.items()})
+    return Batch(tensors, prompts.non_tensors, prompts.meta)
+
+
+def eos_token_ids_from_dir(model_path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """``eos_token_ids_of`` for a model directory: the tokenizer's EOS plus the EOS ids of its
+    ``generation_config.json`` (if any), the same stop ids the HF engine uses."""
+    try:
+        generation_config = GenerationConfig.from_pretrained(str(model_path), local_files_only=True)
+    except OSError:
+        generation_config = None
+    return eos_token_ids_of(SimpleNamespace(generation_config=generation_config), tokenizer)
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+class WeightLoaderExtension:
+    """Methods vLLM mixes into its GPU worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``),
+    called on every worker by ``LLM.collective_rpc(name, args=...)``."""
+
+    def creditrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load Hugging Face-named tensors into the worker's model in place (the model's own
+        ``load_weights``: fused projections, tied embeddings, dtype cast); returns their count."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(weights)
+        return len(weights)
+
+
+def _weight_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if type(tensor).__name__ == "DTensor":
+            raise TypeError(
+                f"weight {name!r} is a sharded DTensor: pass full tensors "
+                "(creditrl.workers.parallel.full_state_dict)"
+            )
+        chunk.append((name, tensor.detach()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+class VLLMRolloutEngine:
+    """Samples responses for a prompt Batch with vLLM; ``HFRolloutEngine``'s interface.
+
+    ``model_path``: a local Hugging Face directory (``creditrl.models.resolve_model_path``).
+    ``gpu_memory_utilization``: the share of the GPU vLLM may take for weights and KV cache
+    (leave the rest to the trainer when colocated). ``enable_sleep_mode``: allow ``sleep()``.
+    ``dtype``: vLLM's model dtype. ``eos_token_ids`` overrides the stop ids (default:
+    ``eos_token_ids_from_dir``). ``in_process`` runs vLLM's engine core in this process
+    (sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the process), which in-place
+    ``update_weights`` needs. ``llm_kwargs`` go to ``vllm.LLM`` as they are. ``llm`` and
+    ``sampling_params_cls`` replace ``vllm.LLM`` / ``vllm.SamplingParams`` (tests).
+
+    ``last_stats`` describes the latest generate(): ``decode_s`` (wall seconds of vLLM's
+    generate, prefill included: vLLM interleaves the two), ``prompt_tokens``, ``requests`` and
+    ``response_tokens`` (valid tokens generated).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: RolloutConfig,
+        *,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = True,
+        dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
+        eos_token_ids: Sequence[int] | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        in_process: bool = True,
+        llm_kwargs: Mapping[str, Any] | None = None,
+        llm: Any = None,
+        sampling_params_cls: Callable[..., Any] | None = None,
+    ) -> None:
+        if cfg.max_response_length < 1:
+            raise ValueError(
+                f"rollout.max_response_length must be >= 1, got {cfg.max_response_length}"
+            )
+        if not 0.0 < cfg.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.top_p}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if tensor_parallel_size < 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size must be >= 1, got {tensor_parallel_size}"
+            )
+        self.model_path = str(model_path)
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        if eos_token_ids is None:
+            eos_token_ids = eos_token_ids_from_dir(model_path, tokenizer)
+        self.eos_token_ids: list[int] = [int(t) for t in eos_token_ids]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.enable_sleep_mode = enable_sleep_mode
+        kwargs = dict(llm_kwargs or {})
+        backend = kwargs.get("distributed_executor_backend")
+        self.in_process = in_process and (
+            tensor_parallel_size == 1 or backend == "external_launcher"
+        )
+        self.asleep: set[str] = set()  # memory tags vLLM has released ("weights", "kv_cache")
+        self.weights_discarded = False  # sleep(level=2) dropped them; update_weights restores
+        self.last_stats: dict[str, float] = {}
+        if llm is None:
+            reason = vllm_unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(f"rollout.engine=vllm: {reason}")
+            if in_process:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            import vllm
+
+            llm = vllm.LLM(
+                model=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                logprobs_mode=LOGPROBS_MODE,
+                generation_config="vllm",
+                worker_extension_cls=WORKER_EXTENSION,
+                **kwargs,
+            )
+            sampling_params_cls = sampling_params_cls or vllm.SamplingParams
+        if sampling_params_cls is None:
+            raise ValueError("pass sampling_params_cls together with llm")
+        self.llm = llm
+        self.sampling_params_cls = sampling_params_cls
+
+    def sampling_params(
+        self, *, greedy: bool = False, temperature: float | None = None
+    ) -> SamplingParams:
+        """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
+        temperature = self.cfg.temperature if temperature is None else float(temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        return SamplingParams(
+            temperature=temperature,
+            top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_response_length,
+            greedy=greedy or temperature == 0,
+        )
+
+    def generate(
+        self,
+        prompts: Batch,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> Batch:
+        """Sample one response per row of ``prompts`` (left-padded input_ids/attention_mask).
+
+        Returns a new Batch: the input's non-tensors, meta and other tensors, plus prompts,
+        responses, response_mask, input_ids, attention_mask, position_ids and
+        rollout_log_probs as described in ``creditrl.batch.FIELDS``; T is the longest
+        response. ``seed`` re-seeds the engine's generator first (rows without
+        ``sample_seed`` draw their request seeds from it).
+        """
+        if self.asleep:
+            raise RuntimeError(
+                f"the vLLM engine is asleep ({sorted(self.asleep)} released): call wake_up() "
+                "before generate()"
+            )
+        if self.weights_discarded:
+            raise RuntimeError(
+                "sleep(level=2) discarded the weights: call update_weights() before generate()"
+            )
+        if len(prompts) == 0:
+            raise ValueError("generate() got an empty prompt batch")
+        for name in ("input_ids", "attention_mask"):
+            if name not in prompts.tensors:
+                raise KeyError(
+                    f"prompt batch has no tensor field {name!r} (fields: {prompts.keys()})"
+                )
+        params = self.sampling_params(greedy=greedy, temperature=temperature)
+        token_lists = prompt_token_lists(
+            prompts["input_ids"], prompts["attention_mask"], prompts.get("position_ids")
+        )
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        seeds = None if params.greedy else request_seeds(prompts, self.generator)
+        dicts = sampling_param_dicts(params, len(token_lists), seeds, self.eos_token_ids)
+        requests = [{"prompt_token_ids": ids} for ids in token_lists]
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            requests, [self.sampling_params_cls(**d) for d in dicts], use_tqdm=False
+        )
+        decode_s = time.perf_counter() - start
+        out = assemble_rollout(
+            prompts,
+            completions_from_outputs(outputs),
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            max_response_length=self.cfg.max_response_length,
+        )
+        self.last_stats = {
+            "decode_s": decode_s,
+            "requests": float(len(requests)),
+            "prompt_tokens": float(sum(len(ids) for ids in token_lists)),
+            "response_tokens": float(out["response_mask"].sum()),
+        }
+        return out
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
+    ) -> int:
+        """Load the trainer's weights into the engine in place; returns how many tensors.
+
+        ``named_tensors``: Hugging Face names and full (unsharded) tensors, e.g.
+        ``model.named_parameters()``, of any float dtype and device. They are handed over by
+        reference in chunks of about ``chunk_bytes``, then the prefix cache (KV of the old
+        weights) is reset. Needs the weights awake (``wake_up(tags=["weights"])``) and an
+        in-process engine (see the class docstring).
+        """
+        if not self.in_process:
+            raise RuntimeError(
+                "in-place update_weights needs vLLM's engine core and its single worker in this "
+                "process (in_process=True, tensor_parallel_size=1); for separate GPUs or "
+                "tensor parallelism use vLLM's NCCL weight transfer "
+                "(vllm.config.WeightTransferConfig(backend='nccl'))"
+            )
+        if "weights" in self.asleep:
+            raise RuntimeError("the weights are asleep: call wake_up(tags=['weights']) first")
+        count = 0
+        for chunk in _weight_chunks(named_tensors, chunk_bytes):
+            count += sum(self.llm.collective_rpc("creditrl_load_weights", args=(chunk,)))
+        if count == 0:
+            raise ValueError("update_weights got no tensors")
+        self.weights_discarded = False
+        self.llm.reset_prefix_cache()
+        return count
+
+    def sleep(self, level: int = 1) -> None:
+        """Release vLLM's GPU memory: level 1 offloads the weights to CPU memory and drops the
+        KV cache; level 2 drops both (push the weights again with ``update_weights`` after
+        ``wake_up``). A no-op when asleep already or built without sleep mode."""
+        if not self.enable_sleep_mode or self.asleep:
+            return
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.llm.sleep(level=level)
+        self.asleep = {"weights", "kv_cache"}
+        self.weights_discarded = level == 2
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore the released memory: all of it, or only ``tags`` (``"weights"`` first to
+        update them without a KV cache allocated, then ``"kv_cache"``). No-op when awake."""
+        wanted = set(self.asleep if tags is None else tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
+        wanted &= self.asleep
+        if not wanted:
+            return
+        self.llm.wake_up(tags=None if wanted == {"weights", "kv_cache"} else sorted(wanted))
+        self.asleep -= wanted
+        if "kv_cache" in wanted:
+            self.llm.reset_prefix_cache()

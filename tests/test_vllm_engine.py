@@ -1,0 +1,458 @@
+"""VLLMRolloutEngine: request building and response assembly on CPU with a stand-in for
+vllm.LLM (replaying HFRolloutEngine's samples), and, on a CUDA machine with vLLM installed,
+vLLM's rollout log-probs against the trainer's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from creditrl import Batch
+from creditrl.config.schema import ActorConfig, RolloutConfig
+from creditrl.core import compute_rollout_importance_weights, kl_penalty, masked_mean
+from creditrl.models.tiny import tiny_model_dir
+from creditrl.models.tokenizer import load_tokenizer
+from creditrl.rollout import HFRolloutEngine, SamplingParams
+from creditrl.rollout.factory import build_rollout_engine
+from creditrl.rollout.vllm_engine import (
+    VLLMRolloutEngine,
+    WeightLoaderExtension,
+    assemble_rollout,
+    completions_from_outputs,
+    eos_token_ids_from_dir,
+    prompt_token_lists,
+    request_seeds,
+    sampling_param_dicts,
+    vllm_unavailable_reason,
+)
+from creditrl.workers import ActorWorker
+
+PAD = 2
+EOS = list(range(3, 49152, 9))  # ~1 id in 9 ends a response: rows of varied lengths
+UNAVAILABLE = vllm_unavailable_reason()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:
+    """Left-padded prompts (pad id 2), each row ``repeat`` times, with a uid column."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows]).repeat_interleave(repeat, 0)
+    lengths = torch.tensor([len(r) for r in rows]).repeat_interleave(repeat)
+    mask = (torch.arange(width)[None] >= width - lengths[:, None]).long()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    uids = [f"u{i}" for i in range(len(ids))]
+    tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    return Batch(tensors, {"uid": uids}, {"step": 3})
+
+
+ROWS = [[5, 17, 99, 1000], [7], [12, 13, 14, 15, 16, 17, 18]]
+
+
+def completions_of(out: Batch) -> list[tuple[list[int], list[float]]]:
+    """Per-row (ids, log-probs) of a rollout Batch: what vLLM would have returned."""
+    lengths = out["response_mask"].sum(-1).tolist()
+    return [
+        (out["responses"][i, :n].tolist(), out["rollout_log_probs"][i, :n].tolist())
+        for i, n in enumerate(lengths)
+    ]
+
+
+def request_output(ids: list[int], log_probs: list[float], reason: str = "stop"):
+    logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, log_probs, strict=True)]
+    completion = SimpleNamespace(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return SimpleNamespace(outputs=[completion])
+
+
+class FakeWorker(WeightLoaderExtension):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = SimpleNamespace(model=model)
+
+
+class LoadableModel(torch.nn.Module):
+    """A stand-in for vLLM's model: ``load_weights`` copies named tensors in place."""
+
+    def __init__(self, reference: torch.nn.Module) -> None:
+        super().__init__()
+        self.params = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.params[name].copy_(tensor)
+
+
+class FakeLLM:
+    """Replays scripted completions per prompt; records everything the engine asks of it."""
+
+    def __init__(self, completions=None, worker_model=None) -> None:
+        self.completions = completions or {}
+        self.worker = FakeWorker(worker_model) if worker_model is not None else None
+        self.generate_calls: list[tuple[list, list]] = []
+        self.events: list[tuple] = []
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.generate_calls.append((prompts, sampling_params))
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            ids, lps = self.completions[(tuple(prompt["prompt_token_ids"]), params["seed"])]
+            outputs.append(request_output(ids, lps))
+        return outputs
+
+    def collective_rpc(self, method, args=()):
+        self.events.append(("rpc", method, len(args[0])))
+        return [getattr(self.worker, method)(*args)]
+
+    def reset_prefix_cache(self):
+        self.events.append(("reset_prefix_cache",))
+        return True
+
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake_up", tags))
+
+
+def fake_engine(tokenizer, cfg, llm, **kwargs) -> VLLMRolloutEngine:
+    return VLLMRolloutEngine(
+        tiny_model_dir(), tokenizer, cfg, llm=llm, sampling_params_cls=dict, **kwargs
+    )
+
+
+# ---- request building ----------------------------------------------------------------------
+
+
+def test_prompt_token_lists_strips_left_padding():
+    batch = prompt_batch(ROWS)
+    assert prompt_token_lists(batch["input_ids"], batch["attention_mask"]) == ROWS
+    lists = prompt_token_lists(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    assert lists == ROWS
+
+
+@pytest.mark.parametrize(
+    ("mask_row", "message"),
+    [([1, 1, 0, 1], r"rows \[1\] are not left-padded"), ([0, 0, 0, 0], r"rows \[1\]")],
+)
+def test_prompt_token_lists_rejects_holes_and_empty_rows(mask_row, message):
+    ids = torch.arange(8).view(2, 4)
+    mask = torch.tensor([[0, 1, 1, 1], mask_row])
+    with pytest.raises(ValueError, match=message):
+        prompt_token_lists(ids, mask)
+
+
+def test_prompt_token_lists_rejects_shifted_positions_and_bad_shapes():
+    batch = prompt_batch(ROWS)
+    positions = batch["position_ids"].clone()
+    positions[2] += 1
+    with pytest.raises(ValueError, match=r"rows \[2\] have position_ids"):
+        prompt_token_lists(batch["input_ids"], batch["attention_mask"], positions)
+    with pytest.raises(ValueError, match="same"):
+        prompt_token_lists(batch["input_ids"], batch["attention_mask"][:, 1:])
+
+
+def test_request_seeds_from_sample_seed_or_generator():
+    batch = prompt_batch(ROWS)
+    draws = [request_seeds(batch, torch.Generator().manual_seed(s)) for s in (4, 4, 5)]
+    assert draws[0] == draws[1] != draws[2]
+    assert len(draws[0]) == 3 and all(0 <= s < 1 << 62 for s in draws[0])
+    batch["sample_seed"] = torch.tensor([7, -1, (1 << 62) - 1])
+    assert request_seeds(batch, torch.Generator()) == [7, (1 << 63) - 1, (1 << 62) - 1]
+
+
+def test_sampling_param_dicts_sampled_and_greedy():
+    sampled = SamplingParams(temperature=0.7, top_k=-1, top_p=0.9, max_new_tokens=12, greedy=False)
+    dicts = sampling_param_dicts(sampled, 2, [11, 12], [2, 5])
+    assert [d["seed"] for d in dicts] == [11, 12]
+    assert dicts[0] == {
+        "n": 1,
+        "max_tokens": 12,
+        "min_tokens": 0,
+        "logprobs": 0,
+        "stop_token_ids": [2, 5],
+        "ignore_eos": True,
+        "detokenize": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "temperature": 0.7,
+        "top_k": 0,
+        "top_p": 0.9,
+        "seed": 11,
+    }
+    greedy = sampling_param_dicts(replace(sampled, greedy=True, top_k=5), 3, None, [2])
+    assert len(greedy) == 3
+    assert all(d["temperature"] == 0.0 and d["seed"] is None and d["top_k"] == 0 for d in greedy)
+    with pytest.raises(ValueError, match="one seed per row: 2 rows, 1 seeds"):
+        sampling_param_dicts(sampled, 2, [1], [2])
+
+
+# ---- response assembly ---------------------------------------------------------------------
+
+
+def test_assemble_rollout_fields_shapes_and_eos_cut():
+    batch = prompt_batch(ROWS)
+    batch["sample_seed"] = torch.tensor([1, 2, 3])
+    completions = [([8, 9, 2], [-0.1, -0.2, -0.3]), ([4], [-1.5]), ([6, 2, 7, 7], [-1, -2, -3, -4])]
+    out = assemble_rollout(
+        batch, completions, pad_token_id=PAD, eos_token_ids=[2], max_response_length=4
+    )
+    assert out["responses"].tolist() == [[8, 9, 2], [4, PAD, PAD], [6, 2, PAD]]
+    assert out["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert out["rollout_log_probs"].dtype == torch.float32
+    assert out["rollout_log_probs"][2].tolist() == [-1.0, -2.0, 0.0]
+    assert torch.equal(out["prompts"], batch["input_ids"])
+    assert torch.equal(out["input_ids"], torch.cat([batch["input_ids"], out["responses"]], 1))
+    assert out["attention_mask"][1].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 0, 0]
+    assert out["position_ids"][1].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert out["sample_seed"].tolist() == [1, 2, 3]
+    assert list(out["uid"]) == ["u0", "u1", "u2"] and out.meta == {"step": 3}
+    with pytest.raises(ValueError, match="row 0: 3 response tokens exceed max_response_length=2"):
+        assemble_rollout(
+            batch, completions, pad_token_id=PAD, eos_token_ids=[], max_response_length=2
+        )
+    with pytest.raises(ValueError, match="2 completions for 3 prompt rows"):
+        assemble_rollout(
+            batch, completions[:2], pad_token_id=PAD, eos_token_ids=[2], max_response_length=4
+        )
+
+
+def test_completions_from_outputs_reads_sampled_log_probs_and_rejects_gaps():
+    outputs = [request_output([5, 6], [-0.5, -0.25]), request_output([9], [-2.0])]
+    assert completions_from_outputs(outputs) == [([5, 6], [-0.5, -0.25]), ([9], [-2.0])]
+    missing = request_output([5, 6], [-0.5, -0.25])
+    missing.outputs[0].logprobs[1] = {7: SimpleNamespace(logprob=-1.0)}
+    with pytest.raises(ValueError, match="row 1, token 1: no log-prob for the sampled id 6"):
+        completions_from_outputs([outputs[0], missing])
+    no_logprobs = request_output([5], [-0.5])
+    no_logprobs.outputs[0].logprobs = None
+    with pytest.raises(ValueError, match="row 0: vLLM returned no log-prob"):
+        completions_from_outputs([no_logprobs])
+    with pytest.raises(ValueError, match="finish_reason='abort'"):
+        completions_from_outputs([request_output([], [], reason="abort")])
+
+
+def test_eos_token_ids_from_dir_reads_tokenizer_and_generation_config(tokenizer, tmp_path):
+    assert eos_token_ids_from_dir(tiny_model_dir(), tokenizer) == [2]
+    assert eos_token_ids_from_dir(tmp_path, tokenizer) == [tokenizer.eos_token_id]
+
+
+# ---- the engine against a stand-in vllm.LLM ----------------------------------------------
+
+
+@pytest.mark.parametrize("with_seeds", [True, False])
+def test_generate_matches_hf_engine_field_for_field(model, tokenizer, with_seeds):
+    """The HF engine's samples, replayed by the stand-in, come out as the same Batch."""
+    cfg = RolloutConfig(temperature=0.9, max_response_length=10, micro_batch_size=4)
+    prompts = prompt_batch(ROWS, repeat=2)
+    if with_seeds:
+        prompts["sample_seed"] = torch.arange(100, 106)
+    hf_out = HFRolloutEngine(model, tokenizer, cfg, eos_token_ids=EOS).generate(prompts)
+    lengths = hf_out["response_mask"].sum(-1)
+    assert len(set(lengths.tolist())) > 1  # responses of several lengths, some ended by EOS
+    engine = fake_engine(tokenizer, cfg, FakeLLM(), eos_token_ids=EOS, seed=3)
+    seeds = request_seeds(prompts, torch.Generator().manual_seed(3))
+    token_lists = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"])
+    engine.llm.completions = {
+        (tuple(ids), seed): completion
+        for ids, seed, completion in zip(token_lists, seeds, completions_of(hf_out), strict=True)
+    }
+    out = engine.generate(prompts)
+    assert out.equals(hf_out)
+    requests, params = engine.llm.generate_calls[0]
+    assert [r["prompt_token_ids"] for r in requests] == [r for r in ROWS for _ in range(2)]
+    assert [p["seed"] for p in params] == seeds
+    assert all(p["temperature"] == 0.9 and p["stop_token_ids"] == EOS for p in params)
+    assert engine.last_stats["response_tokens"] == float(lengths.sum())
+    assert engine.last_stats["requests"] == 6.0 and engine.last_stats["decode_s"] >= 0
+
+
+def test_generate_greedy_and_reseeding(tokenizer):
+    cfg = RolloutConfig(temperature=0.7, max_response_length=4)
+    llm = FakeLLM()
+    engine = fake_engine(tokenizer, cfg, llm)
+    prompts = prompt_batch(ROWS)
+    token_lists = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"])
+    llm.completions = {(tuple(ids), None): ([2], [-0.1]) for ids in token_lists}
+    out = engine.generate(prompts, temperature=0.0)
+    assert out["responses"].tolist() == [[2], [2], [2]]
+    assert all(p["temperature"] == 0.0 and p["seed"] is None for p in llm.generate_calls[0][1])
+    seeds = [request_seeds(prompts, torch.Generator().manual_seed(9)) for _ in range(2)]
+    llm.completions = {
+        (tuple(ids), s): ([4, 2], [-1.0, -0.5])
+        for ids, s in zip(token_lists, seeds[0], strict=True)
+    }
+    for _ in range(2):  # seed= re-seeds the generator: the same request seeds each time
+        engine.generate(prompts, seed=9, temperature=1.3)
+        assert [p["seed"] for p in llm.generate_calls[-1][1]] == seeds[0]
+        assert all(p["temperature"] == 1.3 for p in llm.generate_calls[-1][1])
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        engine.generate(prompts, temperature=-1.0)
+
+
+def test_update_weights_in_place_in_chunks(model, tokenizer):
+    target = LoadableModel(model)
+    llm = FakeLLM(worker_model=target)
+    engine = fake_engine(tokenizer, RolloutConfig(), llm)
+    count = engine.update_weights(model.named_parameters(), chunk_bytes=1 << 20)
+    names = [n for n, _ in model.named_parameters()]
+    assert count == len(names)
+    assert all(torch.equal(target.params[n], p) for n, p in model.named_parameters())
+    rpcs = [e for e in llm.events if e[0] == "rpc"]
+    assert len(rpcs) > 1 and sum(e[2] for e in rpcs) == len(names)
+    assert llm.events[-1] == ("reset_prefix_cache",)
+    with pytest.raises(TypeError, match="weight 'w' is a list"):
+        engine.update_weights([("w", [1.0])])
+    with pytest.raises(ValueError, match="no tensors"):
+        engine.update_weights([])
+    remote = fake_engine(tokenizer, RolloutConfig(), llm, in_process=False)
+    with pytest.raises(RuntimeError, match="NCCL weight transfer"):
+        remote.update_weights(model.named_parameters())
+
+
+def test_sleep_wake_and_level_two_needs_new_weights(model, tokenizer):
+    llm = FakeLLM(worker_model=LoadableModel(model))
+    engine = fake_engine(tokenizer, RolloutConfig(max_response_length=2), llm)
+    prompts = prompt_batch([[5]])
+    llm.completions = {((5,), None): ([2], [-0.1])}
+    engine.sleep()
+    engine.sleep()  # no-op when asleep
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, greedy=True)
+    engine.wake_up()
+    engine.generate(prompts, greedy=True)
+    engine.sleep(level=2)
+    engine.wake_up(tags=["weights"])
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, greedy=True)
+    engine.wake_up(tags=["kv_cache"])
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(prompts, greedy=True)
+    engine.update_weights(model.named_parameters())
+    assert engine.generate(prompts, greedy=True)["responses"].tolist() == [[2]]
+    calls = [e for e in llm.events if e[0] in ("sleep", "wake_up")]
+    assert calls == [
+        ("sleep", 1),
+        ("wake_up", None),
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+    ]
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        engine.wake_up(tags=["cache"])
+    quiet = fake_engine(tokenizer, RolloutConfig(), FakeLLM(), enable_sleep_mode=False)
+    quiet.sleep()
+    assert quiet.asleep == set() and quiet.llm.events == []
+
+
+def test_build_rollout_engine_choices(model, tokenizer):
+    cfg = RolloutConfig()
+    assert isinstance(build_rollout_engine(model, "unused", tokenizer, cfg), HFRolloutEngine)
+    with pytest.raises(ValueError, match=r"rollout\.engine must be one of \['hf', 'vllm'\]"):
+        build_rollout_engine(model, "unused", tokenizer, replace(cfg, engine="sglang"))
+    with pytest.raises(ValueError, match="pass it"):
+        build_rollout_engine(None, "unused", tokenizer, cfg)
+    if UNAVAILABLE is not None:
+        with pytest.raises(RuntimeError, match=r"pip install 'creditrl\[vllm\]'|CUDA"):
+            build_rollout_engine(None, tiny_model_dir(), tokenizer, replace(cfg, engine="vllm"))
+
+
+# ---- real vLLM on a GPU --------------------------------------------------------------------
+
+
+def trainer_log_probs(model_dir, batch: Batch, temperature: float) -> torch.Tensor:
+    policy = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
+    worker = ActorWorker(policy, ActorConfig(log_prob_micro_batch_size=8), trainable=False)
+    log_probs, _ = worker.compute_log_prob(batch.to("cuda"), temperature, with_entropy=False)
+    return log_probs.cpu()
+
+
+def k3_mean(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> float:
+    """mean over valid tokens of k3 = exp(old - rollout) - (old - rollout) - 1."""
+    return float(masked_mean(kl_penalty(rollout, old, "low_var_kl"), mask.float()))
+
+
+def same_samples(a: Batch, b: Batch) -> bool:
+    """The same tokens, and log-probs equal up to kernel rounding (a prefix-cache hit computes
+    the prompt's last position apart from the rest)."""
+    return torch.equal(a["responses"], b["responses"]) and torch.allclose(
+        a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-3
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tokenizer):
+    if UNAVAILABLE is not None:
+        pytest.skip(UNAVAILABLE)
+    cfg = RolloutConfig(temperature=0.8, max_response_length=24)
+    return VLLMRolloutEngine(
+        tiny_model_dir(), tokenizer, cfg, seed=0, gpu_memory_utilization=0.2, enforce_eager=True
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"needs vLLM on a CUDA GPU: {UNAVAILABLE}")
+def test_vllm_rollout_log_probs_match_trainer(vllm_engine):
+    prompts = prompt_batch(ROWS, repeat=4)
+    prompts["sample_seed"] = torch.arange(12)
+    out = vllm_engine.generate(prompts)
+    assert same_samples(out, vllm_engine.generate(prompts))  # seeded: the same samples again
+    old = trainer_log_probs(tiny_model_dir(), out, temperature=0.8)
+    mask = out["response_mask"]
+    assert k3_mean(old, out["rollout_log_probs"], mask) < 1e-3
+    _, _, metrics = compute_rollout_importance_weights(old, out["rollout_log_probs"], mask)
+    assert abs(metrics["mismatch/rollout_is_mean"] - 1.0) < 0.05
+    greedy = vllm_engine.generate(prompts, greedy=True)  # log-probs of the unscaled logits
+    old = trainer_log_probs(tiny_model_dir(), greedy, temperature=1.0)
+    assert k3_mean(old, greedy["rollout_log_probs"], greedy["response_mask"]) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"needs vLLM on a CUDA GPU: {UNAVAILABLE}")
+def test_vllm_update_weights_sleep_and_wake(vllm_engine):
+    prompts = prompt_batch(ROWS, repeat=4)
+    prompts["sample_seed"] = torch.arange(12)
+    other = tiny_model_dir(seed=1)
+    weights = LlamaForCausalLM.from_pretrained(str(other), dtype=torch.float32).cuda()
+    vllm_engine.update_weights(weights.named_parameters())
+    out = vllm_engine.generate(prompts)
+    mask = out["response_mask"]
+    new = k3_mean(trainer_log_probs(other, out, 0.8), out["rollout_log_probs"], mask)
+    stale = k3_mean(trainer_log_probs(tiny_model_dir(), out, 0.8), out["rollout_log_probs"], mask)
+    assert new < 1e-3 < stale
+    vllm_engine.sleep(level=1)
+    vllm_engine.wake_up()
+    assert same_samples(vllm_engine.generate(prompts), out)  # level 1 kept the new weights
+    original = LlamaForCausalLM.from_pretrained(str(tiny_model_dir()), dtype=torch.float32).cuda()
+    vllm_engine.sleep(level=2)
+    vllm_engine.wake_up(tags=["weights"])
+    vllm_engine.update_weights(original.named_parameters())
+    vllm_engine.wake_up(tags=["kv_cache"])
+    back = vllm_engine.generate(prompts)
+    old = trainer_log_probs(tiny_model_dir(), back, 0.8)
+    assert k3_mean(old, back["rollout_log_probs"], back["response_mask"]) < 1e-3
