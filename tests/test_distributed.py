@@ -33,7 +33,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def config(strategy: str, world: int, fmt: str = "full"):
+def config(strategy: str, world: int, fmt: str = "full", *extra: str):
     return load_config(
         overrides=[
             f"model.path={tiny_model_dir()}",
@@ -48,6 +48,7 @@ def config(strategy: str, world: int, fmt: str = "full"):
             f"trainer.workers={world}",
             f"trainer.checkpoint_format={fmt}",
             "trainer.total_steps=1",
+            *extra,
         ]
     )
 
@@ -96,10 +97,12 @@ def gradients_after_update(worker: HybridWorker, batch: Batch) -> dict[str, torc
     return captured
 
 
-def _rank(rank: int, world: int, port: int, strategy: str, fmt: str, out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, strategy: str, fmt: str, out: str, extra: list[str]
+) -> None:
     init_process_group(rank, world, master_port=port, timeout_s=60)
     try:
-        worker = HybridWorker(config(strategy, world, fmt))
+        worker = HybridWorker(config(strategy, world, fmt, *extra))
         shard = synthetic_batch().chunk(world)[rank]
         grads = gradients_after_update(worker, shard)
         meta = worker.save_checkpoint(out)
@@ -119,9 +122,9 @@ def _rank(rank: int, world: int, port: int, strategy: str, fmt: str, out: str) -
         destroy_process_group()
 
 
-def run_ranks(world: int, strategy: str, fmt: str, out: Path) -> None:
+def run_ranks(world: int, strategy: str, fmt: str, out: Path, extra: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, free_port(), strategy, fmt, str(out)), nprocs=world)
+    mp.spawn(_rank, args=(world, free_port(), strategy, fmt, str(out), extra), nprocs=world)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +134,18 @@ def reference() -> dict[str, torch.Tensor]:
     return gradients_after_update(worker, synthetic_batch())
 
 
-@pytest.mark.parametrize("strategy,fmt", [("ddp", "full"), ("fsdp2", "sharded")])
+@pytest.mark.parametrize(
+    "strategy,fmt,extra",
+    [
+        ("ddp", "full", []),
+        ("fsdp2", "sharded", []),
+        ("fsdp2", "full", ["trainer.fsdp_cpu_offload=true", "model.gradient_checkpointing=true"]),
+    ],
+)
 def test_two_ranks_half_batch_equal_one_rank_full_batch(
-    tmp_path: Path, reference: dict[str, torch.Tensor], strategy: str, fmt: str
+    tmp_path: Path, reference: dict[str, torch.Tensor], strategy: str, fmt: str, extra: list
 ) -> None:
-    run_ranks(2, strategy, fmt, tmp_path)
+    run_ranks(2, strategy, fmt, tmp_path, extra)
     grads = load_file(str(tmp_path / "grads.safetensors"))
     assert set(grads) == set(reference)
     for name, expected in reference.items():

@@ -68,8 +68,8 @@ def shard_model(
             param_dtype=_DTYPES[param_dtype], reduce_dtype=torch.float32
         )
     }
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if cpu_offload:  # pinned host memory needs an accelerator; on a CPU-only host it is a no-op
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
