@@ -177,6 +177,58 @@ _SPECS = [
         "full conversation as text after the rollout (logs, rewards, humans)",
         "rollout; agent loop",
     ),
+    FieldSpec(
+        "tool_calls", "(B,)", "object[list[dict]]",
+        "the trajectory's tool calls: turn, name, arguments, status (ok, error, timeout, "
+        "unknown_tool, bad_arguments, malformed, skipped), output as observed, seconds",
+        "agent loop",
+    ),
+    FieldSpec(
+        "agent_info", "(B,)", "object[dict]",
+        "stop_reason (answer, no_call, max_turns, length), num_turns, observation_tokens, "
+        "observation_truncated, turns (text and answer of each assistant turn)",
+        "agent loop",
+    ),
+    FieldSpec(
+        "tokenization_drift", "(B,)", "object[dict]",
+        "spec 004 drift reports of checked rows (first divergence of re-tokenization and of the "
+        "chat template, both spans decoded); None for unchecked rows",
+        "agent drift checks (trainer)",
+    ),
+    FieldSpec(
+        "turn_scores", "(B,)", "float32",
+        "spec 001 mean turn reward of each sample (the turn part of total_score)",
+        "reward manager (structured multi-turn)",
+    ),
+    FieldSpec(
+        "global_scores", "(B,)", "float32",
+        "spec 001 sum of counted global rewards of each sample (keys without a leading '_')",
+        "reward manager (structured multi-turn)",
+    ),
+    FieldSpec(
+        "trajectory_score", "(B,)", "float32",
+        "spec 001 step 6 score saved with a trajectory: returns summed over response_mask",
+        "agent hooks (after advantages)",
+    ),
+    FieldSpec(
+        "weight_version", "(B,)", "int64",
+        "policy version (learner optimizer steps published) that sampled the episode",
+        "async sampler",
+    ),
+    FieldSpec(
+        "staleness", "(B,)", "int64",
+        "learner version at training time minus weight_version (0: on-policy)",
+        "async learner",
+    ),
+    FieldSpec(
+        "episode_id", "(B,)", "object[str]",
+        "'<sampler_id>:<seq>:<k>': unique per episode, the unit of acknowledgement",
+        "async sampler",
+    ),
+    FieldSpec(
+        "sampler_id", "(B,)", "object[str]", "the sampler that produced the episode",
+        "async sampler",
+    ),
 ]
 # fmt: on
 

@@ -9,5 +9,8 @@ from __future__ import annotations
 
 SUBCOMMANDS: list[str] = [
     "creditrl.commands.explain",
+    "creditrl.commands.sampler",
+    "creditrl.commands.learner",
+    "creditrl.commands.async_train",
     "creditrl.commands.report",
 ]

@@ -1,0 +1,544 @@
+"""The training worker (spec 003): pulls whole groups, trains, publishes versioned weights.
+
+One step, top to bottom (``Learner.fit``):
+
+1. ``collect``: receive groups until ``data.train_batch_size`` of them are buffered; groups
+   whose staleness (learner version - sampling version) exceeds ``max_staleness`` are dropped,
+   counted and acknowledged ``stale``; a group seen before is acknowledged ``duplicate``;
+2. concatenate the oldest groups into one Batch (``staleness`` per sample) and, with several
+   learner ranks, scatter whole groups over torch.distributed;
+3. ``update`` (every rank): ``old_log_probs`` (the behaviour log-probs for on-policy rows,
+   recomputed under the current policy for stale rows: ``old_log_probs=learner``), reference
+   log-probs (unless the sampler sent them), DAPO overlong shaping, KL into rewards, rollout
+   importance weights pi_old / pi_behaviour (the staleness correction), group advantages,
+   the policy update (``actor.policy_loss``: ``ppo`` for GRPO, ``gspo``; KL to the reference
+   with ``actor.use_kl_loss``);
+4. version += 1, publish the weights, acknowledge the groups (journaled first), log metrics
+   and the rollout dump (with per-sample staleness), checkpoint.
+
+Resume: the model, optimizer, ledger and version come from the latest checkpoint; the
+acknowledgement journal tells how many episodes were trained after it (their updates are
+lost: reported as dropped); the version continues past anything published before the crash.
+
+With several ranks, loss metrics are summed over ranks; data metrics and the rollout dump
+cover rank 0's shard (whole groups, ``data.train_batch_size / learners`` of them).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from creditrl.asynchronous.delivery import AckJournal, DeliveryLedger
+from creditrl.asynchronous.messages import Message, MessageError, ack_message, encode
+from creditrl.asynchronous.settings import check_async_config, needs_reference, weight_root
+from creditrl.asynchronous.staleness import (
+    BufferedGroup,
+    GroupBuffer,
+    concat_groups,
+    staleness_metrics,
+)
+from creditrl.asynchronous.transport import LearnerSocket
+from creditrl.asynchronous.weights import WeightPublisher
+from creditrl.batch import Batch
+from creditrl.config import Config
+from creditrl.config.loader import to_dict
+from creditrl.controller.distributed import all_reduce_sum, broadcast_bytes, scatter_batches
+from creditrl.core import get_kl_controller
+from creditrl.models import (
+    apply_lora,
+    disabled_adapters,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
+from creditrl.tracking import (
+    RolloutDumper,
+    Timer,
+    Tracker,
+    compute_data_metrics,
+    compute_timing_metrics,
+    response_info,
+)
+from creditrl.trainers import stages
+from creditrl.trainers.checkpoint import CheckpointManager
+from creditrl.workers import ActorWorker
+from creditrl.workers.checkpoint_io import load_trainable, save_trainable
+
+__all__ = ["ADDITIVE_METRICS", "AsyncRolloutDumper", "Learner"]
+
+log = logging.getLogger(__name__)
+
+# Update metrics summed over learner ranks (each rank's loss is divided by global counts).
+ADDITIVE_METRICS = (
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+)
+
+
+class AsyncRolloutDumper(RolloutDumper):
+    """The rollout dump plus ``staleness``, ``weight_version``, ``episode_id``, ``sampler_id``."""
+
+    def rows(self, batch: Batch, step: int) -> list[dict[str, Any]]:
+        rows = super().rows(batch, step)
+        for i, row in enumerate(rows):
+            row["staleness"] = int(batch["staleness"][i])
+            row["weight_version"] = int(batch["weight_version"][i])
+            row["episode_id"] = str(batch["episode_id"][i])
+            row["sampler_id"] = str(batch["sampler_id"][i])
+        return rows
+
+
+class Learner:
+    """Rank ``rank`` of ``world`` learner ranks (rank 0 owns the socket, the weights directory,
+    the ledger, the metrics and the checkpoints)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rank: int = 0,
+        world: int = 1,
+        *,
+        port: int | None = None,
+        console: Any = None,
+    ) -> None:
+        check_async_config(cfg)
+        self.cfg, self.rank, self.world, self.port = cfg, rank, world, port
+        self.main = rank == 0
+        self.console = console or Console(stderr=True)
+        a = cfg.asynchronous
+        threads = a.learner_threads or cfg.trainer.num_threads
+        if threads > 0:
+            torch.set_num_threads(threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.out = Path(cfg.trainer.output_dir)
+        self.n = cfg.rollout.n
+        self.groups_per_step = cfg.data.train_batch_size
+        self.use_ref = needs_reference(cfg)
+        self.reuse_behaviour = (
+            cfg.actor.use_rollout_log_probs
+            and cfg.rollout.engine == "hf"
+            and cfg.rollout.top_k <= 0
+            and cfg.rollout.top_p >= 1.0
+        )
+        self.algorithm = cfg.algorithm
+        if a.old_log_probs == "learner":  # stale rows are corrected by rollout IS weights
+            rollout_is = dataclasses.replace(cfg.algorithm.rollout_is, enable=True)
+            self.algorithm = dataclasses.replace(cfg.algorithm, rollout_is=rollout_is)
+        model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(model_path)
+        self._build_models(model_path)
+        self.kl_ctrl = get_kl_controller(
+            cfg.algorithm.kl_ctrl.type,
+            cfg.algorithm.kl_ctrl.kl_coef,
+            cfg.algorithm.kl_ctrl.target_kl,
+            cfg.algorithm.kl_ctrl.horizon,
+        )
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
+        self.ledger = DeliveryLedger()
+        self.journal = AckJournal(self.out / "async" / "acks.jsonl")
+        self.buffer = GroupBuffer(a.max_staleness)
+        self.counters: dict[str, int] = defaultdict(int)
+        self.samplers: set[str] = set()
+        self.incarnation = uuid.uuid4().hex
+        self.step = 0
+        self.version = 0
+        self.resume_report: dict[str, int] = {}
+        self.socket: LearnerSocket | None = None
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.publisher = WeightPublisher(weight_root(cfg), a.keep_weight_versions, a.lora_sync)
+            self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
+            self.dumper = AsyncRolloutDumper(
+                self.out, cfg.trainer.rollout_dump_rows, self.tokenizer
+            )
+
+    def _build_models(self, model_path: Path) -> None:
+        cfg = self.cfg
+        policy = load_causal_lm(model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
+        self.ref = None
+        if cfg.model.lora_rank > 0:
+            policy = apply_lora(
+                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
+            )
+        elif self.use_ref and cfg.asynchronous.ref_on == "learner":
+            ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
+        actor_cfg, self.actor_n = cfg.actor, self.n
+        if self.world > 1:  # ppo_mini_batch_size counted in trajectories per rank
+            trajectories = cfg.actor.ppo_mini_batch_size * self.n
+            if trajectories % self.world:
+                raise ValueError(
+                    f"actor.ppo_mini_batch_size x rollout.n = {trajectories} must divide over "
+                    f"asynchronous.learners={self.world}"
+                )
+            actor_cfg = dataclasses.replace(
+                cfg.actor, ppo_mini_batch_size=trajectories // self.world
+            )
+            self.actor_n = 1
+        per_step = -(-cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
+        total = cfg.trainer.total_steps * per_step * max(cfg.actor.ppo_epochs, 1)
+        self.actor = ActorWorker(
+            policy, actor_cfg, total_optimizer_steps=total, seed=cfg.trainer.seed + self.rank
+        )
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _trainable(self) -> tuple[Any, Any, Any]:
+        return self.actor.model, self.actor.optimizer, self.actor.scheduler
+
+    def save_checkpoint(self) -> Path:
+        """Write the model, optimizer, ledger, version and counters (rank 0)."""
+        state = {
+            "version": self.version,
+            "ledger": self.ledger.state_dict(),
+            "counters": dict(self.counters),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+        }
+
+        def write(directory: str) -> dict[str, Any]:
+            return {"actor": save_trainable(Path(directory), "actor", *self._trainable())}
+
+        path = self.checkpoints.save(self.step, write, state, {"actor": self.actor.generator})
+        self.journal.checkpointed()
+        return path
+
+    def maybe_resume(self) -> bool:
+        """Restore the latest checkpoint (every rank); rank 0 rebuilds the ledger from the
+        journal and reports the in-flight episodes whose updates were lost."""
+        latest = self.checkpoints.latest()
+        if latest is None or self.cfg.trainer.resume == "never":
+            return False
+
+        def read(directory: str, meta: dict[str, Any]) -> None:
+            load_trainable(Path(directory), "actor", meta["actor"], *self._trainable())
+
+        self.step, state = self.checkpoints.load(latest, read, {"actor": self.actor.generator})
+        self.version = int(state["version"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.counters.update(state["counters"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.main:
+            dropped = self.journal.recover(self.step, self.ledger)
+            self.resume_report = {
+                "step": self.step,
+                "dropped_groups": dropped["groups"],
+                "dropped_episodes": dropped["episodes"],
+            }
+            self.tracker.truncate_after(self.step)
+            self.console.print(
+                f"learner: resumed from step {self.step} ({latest.name}); "
+                f"{dropped['episodes']} in-flight episode(s) in {dropped['groups']} group(s) "
+                "were trained after that checkpoint and are dropped"
+            )
+        return True
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    def _ack(self, sampler_id: str, acks: list[tuple[int, str, int]], journal: bool = True) -> None:
+        """Journal (durably), mark consumed, then tell the sampler."""
+        if journal:
+            self.journal.record(self.step, sampler_id, acks)
+            for seq, _, _ in acks:
+                self.ledger.add(sampler_id, seq)
+        pairs = [(seq, status) for seq, status, _ in acks]
+        self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs))
+
+    def _handle(self, sender: str, message: Message) -> None:
+        self.samplers.add(sender)
+        if message.kind == "hello":
+            header = {"incarnation": self.incarnation, "weight_version": self.version}
+            self.socket.send(sender, encode("welcome", header))
+            return
+        if message.kind != "episodes":
+            self.counters["bad_messages"] += 1
+            log.warning("learner: unexpected %r message from %s skipped", message.kind, sender)
+            return
+        seq, batch = int(message.header["seq"]), message.batch
+        if self.ledger.consumed(sender, seq):
+            self.counters["duplicate_groups"] += 1
+            self._ack(sender, [(seq, "duplicate", len(batch))], journal=False)
+            return
+        if self.buffer.holds(sender, seq):
+            self.counters["duplicate_groups"] += 1
+            return
+        group = BufferedGroup(sender, seq, int(message.header["weight_version"]), batch)
+        self.counters["received_groups"] += 1
+        if group.version > self.version:
+            self.counters["rejected_groups"] += 1
+            log.warning(
+                "learner: group %s:%d claims weight version %d > the learner's %d; rejected",
+                sender, seq, group.version, self.version,
+            )  # fmt: skip
+            self._ack(sender, [(seq, "rejected", len(batch))])
+            return
+        if self.buffer.is_stale(group, self.version):
+            self._drop_stale([group])
+        else:
+            self.buffer.add(group)
+
+    def _drop_stale(self, groups: list[BufferedGroup]) -> None:
+        by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+        for g in groups:
+            by_sampler[g.sampler_id].append((g.seq, "stale", len(g.batch)))
+            self.counters["dropped_stale_groups"] += 1
+            self.counters["dropped_stale_episodes"] += len(g.batch)
+        for sampler_id, acks in by_sampler.items():
+            self._ack(sampler_id, acks)
+
+    def _receive(self, timeout_s: float) -> int:
+        """Handle the messages arriving within ``timeout_s``; returns how many."""
+        count = 0
+        while True:
+            try:
+                got = self.socket.recv(timeout_s if count == 0 else 0.0)
+            except MessageError as e:
+                self.counters["bad_messages"] += 1
+                log.warning(
+                    "learner: bad message from %s skipped: %s", getattr(e, "sampler_id", "?"), e
+                )
+                count += 1
+                continue
+            if got is None:
+                return count
+            self._handle(*got)
+            count += 1
+
+    def collect(self) -> list[BufferedGroup]:
+        """Block until ``data.train_batch_size`` fresh-enough groups are buffered; take them."""
+        last_arrival = time.monotonic()
+        timeout = self.cfg.asynchronous.data_timeout_s
+        while True:
+            self._drop_stale(self.buffer.drop_stale(self.version))
+            if len(self.buffer) >= self.groups_per_step:
+                return self.buffer.take(self.groups_per_step)
+            if self._receive(1.0):
+                last_arrival = time.monotonic()
+            elif time.monotonic() - last_arrival > timeout:
+                raise TimeoutError(
+                    f"learner: no episode for {timeout:.0f}s on {self.socket.address} "
+                    f"({len(self.buffer)} of {self.groups_per_step} groups buffered); are the "
+                    "samplers running? (asynchronous.data_timeout_s)"
+                )
+
+    # ---- one update (every rank) ---------------------------------------------------------
+
+    def old_log_probs(self, batch: Batch) -> None:
+        """``old_log_probs``: the behaviour log-probs (``old_log_probs=sampler``, or rows sampled
+        by the current version when those are exactly this policy's), else recomputed here."""
+        behaviour = batch["rollout_log_probs"]
+        if self.cfg.asynchronous.old_log_probs == "sampler":
+            batch["old_log_probs"] = behaviour.clone()
+            return
+        recompute = torch.ones(len(batch), dtype=torch.bool)
+        if self.reuse_behaviour:
+            recompute = batch["staleness"] != 0
+        old = behaviour.clone()
+        rows = recompute.nonzero().flatten()
+        if len(rows):
+            log_probs, _ = self.actor.compute_log_prob(
+                batch[rows], self.cfg.rollout.temperature, False
+            )
+            old[rows] = log_probs.to(old.dtype)
+        batch["old_log_probs"] = old
+
+    def ref_log_probs(self, batch: Batch) -> None:
+        """``ref_log_prob`` on the learner: the base model under LoRA, else the frozen copy."""
+        temperature = self.cfg.rollout.temperature
+        if self.cfg.model.lora_rank > 0:
+            with disabled_adapters(self.actor.model):
+                batch["ref_log_prob"], _ = self.actor.compute_log_prob(batch, temperature, False)
+        elif self.ref is not None:
+            batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch, temperature, False)
+        else:
+            raise KeyError(
+                "groups carry no ref_log_prob and the learner holds no reference: set "
+                "asynchronous.ref_on=learner, or run the samplers with ref_on=sampler"
+            )
+
+    def update(self, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
+        """Log-probs, rewards, weights, advantages and the policy update on ``batch``."""
+        metrics: dict[str, float] = {}
+        with Timer("old_log_prob", timing):
+            self.old_log_probs(batch)
+        if self.use_ref and "ref_log_prob" not in batch:
+            with Timer("ref", timing):
+                self.ref_log_probs(batch)
+        with Timer("adv", timing):
+            max_length = self.cfg.rollout.max_response_length
+            metrics.update(stages.apply_overlong_penalty(batch, self.algorithm, max_length))
+            metrics.update(stages.kl_into_rewards(batch, self.algorithm, self.kl_ctrl.value))
+            if "actor/reward_kl_penalty" in metrics:
+                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+            metrics.update(stages.rollout_is_weights(batch, self.algorithm))
+            stages.compute_advantages(batch, self.algorithm)
+        with Timer("update_actor", timing):
+            update = self.actor.update_policy(batch, self.cfg.rollout.temperature, self.actor_n)
+        summed = all_reduce_sum({k: v for k, v in update.items() if k in ADDITIVE_METRICS})
+        return {**metrics, **update, **summed}
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def _control(self, stop: bool) -> bool:
+        """Rank 0 tells every rank whether another step follows; returns ``stop``."""
+        if self.world == 1:
+            return stop
+        data = json.dumps({"stop": stop}).encode() if self.main else None
+        return bool(json.loads(broadcast_bytes(data))["stop"])
+
+    def _scatter(self, batch: Batch | None) -> Batch:
+        if self.world == 1:
+            return batch
+        parts = None
+        if self.main:
+            per_rank = self.groups_per_step // self.world * self.n
+            parts = [batch[r * per_rank : (r + 1) * per_rank] for r in range(self.world)]
+        return scatter_batches(parts)
+
+    def train_step(self) -> dict[str, float]:
+        """One step (rank 0 collects and acknowledges; every rank updates)."""
+        timing: dict[str, float] = {}
+        start = time.perf_counter()
+        groups: list[BufferedGroup] = []
+        full = None
+        if self.main:
+            with Timer("wait", timing):
+                groups = self.collect()
+            full = concat_groups([g.batch for g in groups], self.tokenizer.pad_token_id)
+            full["staleness"] = self.version - full["weight_version"]
+        batch = self._scatter(full)
+        metrics = self.update(batch, timing)
+        self.version += 1
+        if not self.main:
+            return metrics
+        a = self.cfg.asynchronous
+        if self.version % a.publish_every == 0 or self.step == self.cfg.trainer.total_steps:
+            with Timer("publish", timing):  # a copy now; written by a background thread
+                self.publisher.publish(self.actor.model, self.version, background=True)
+        by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+        for g in groups:
+            by_sampler[g.sampler_id].append((g.seq, "trained", len(g.batch)))
+        for sampler_id, acks in by_sampler.items():
+            self._ack(sampler_id, acks)
+        self.counters["trained_groups"] += len(groups)
+        timing["step"] = time.perf_counter() - start
+        metrics.update(compute_data_metrics(batch, use_critic=False))
+        metrics.update(compute_timing_metrics(timing, batch))
+        metrics.update(self._async_metrics(full, timing["step"]))
+        self.dumper.dump(batch, self.step)
+        self.last_batch = batch
+        return metrics
+
+    def _async_metrics(self, full: Batch, seconds: float) -> dict[str, float]:
+        info = response_info(full)
+        tokens = float(info["prompt_length"].sum() + info["response_length"].sum())
+        metrics = staleness_metrics(full["staleness"])
+        metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})
+        metrics.update(
+            {
+                "async/weight_version": float(self.version),
+                "async/buffered_groups": float(len(self.buffer)),
+                "async/samplers": float(len(self.samplers)),
+                "perf/total_num_tokens": tokens,
+                "perf/time_per_step": seconds,
+                "perf/throughput": tokens / seconds if seconds > 0 else float("nan"),
+            }
+        )
+        if self.resume_report and self.step == self.resume_report["step"] + 1:
+            metrics["async/dropped_on_resume_episodes"] = float(
+                self.resume_report["dropped_episodes"]
+            )
+        return metrics
+
+    def fit(self) -> dict[str, Any]:
+        """Train ``trainer.total_steps`` steps; returns a summary (rank 0)."""
+        cfg = self.cfg
+        began = time.perf_counter()
+        self.maybe_resume()
+        if self.main:
+            self.socket = LearnerSocket(cfg.asynchronous, port=self.port)
+            published = self.publisher.latest()
+            if published is not None and published >= self.version:
+                # versions published before a crash (or by an earlier run) are never reused:
+                # these weights continue as a new version
+                self.version = published + 1
+                self.publisher.publish(self.actor.model, self.version)
+            self.console.print(
+                f"learner: listening on {self.socket.address}; step {self.step} of "
+                f"{cfg.trainer.total_steps}, weights v{self.version}"
+            )
+        staleness: list[float] = []
+        try:
+            while not self._control(self.step >= cfg.trainer.total_steps):
+                self.step += 1
+                metrics = self.train_step()
+                save_freq = cfg.trainer.save_freq
+                save = (save_freq > 0 and self.step % save_freq == 0) or (
+                    self.step == cfg.trainer.total_steps
+                )
+                if save and self.world > 1:
+                    self._check_replicas()
+                if not self.main:
+                    continue
+                self.tracker.log(metrics, step=self.step)
+                staleness.append(metrics["async/staleness/mean"])
+                self.console.print(
+                    f"learner step {self.step}/{cfg.trainer.total_steps}: "
+                    f"score {metrics.get('critic/score/mean', float('nan')):.3f}, "
+                    f"staleness {metrics['async/staleness/mean']:.2f}, "
+                    f"{metrics['perf/time_per_step']:.1f}s"
+                )
+                if save:
+                    self.save_checkpoint()
+        finally:
+            if self.main:
+                self.publisher.wait()
+                self._stop_samplers()
+                self.tracker.close()
+        summary = {
+            "steps": self.step,
+            "version": self.version,
+            "seconds": time.perf_counter() - began,
+            "mean_staleness": sum(staleness) / len(staleness) if staleness else float("nan"),
+            **{k: int(v) for k, v in self.counters.items()},
+            **{f"resume_{k}": v for k, v in self.resume_report.items()},
+        }
+        if self.main:
+            self.console.print(f"learner: done {json.dumps(summary)}")
+        return summary
+
+    def _check_replicas(self) -> None:
+        """Every rank must hold rank 0's weights (same summed gradients, same steps): compare
+        a float64 checksum of the parameters; RuntimeError on a divergent rank."""
+        with torch.no_grad():
+            mine = sum(float(p.double().sum()) for p in self.actor.model.parameters())
+        data = json.dumps({"checksum": mine}).encode() if self.main else None
+        expected = json.loads(broadcast_bytes(data))["checksum"]
+        if mine != expected:
+            raise RuntimeError(
+                f"learner rank {self.rank}: weights diverged from rank 0 at step {self.step} "
+                f"(parameter checksum {mine!r} != {expected!r})"
+            )
+
+    def _stop_samplers(self) -> None:
+        if self.socket is None:
+            return
+        for sampler_id in sorted(self.samplers):
+            self.socket.send(sampler_id, encode("stop", {"reason": "learner finished"}))
+        time.sleep(0.2)  # let the io thread flush the stop messages (linger is 0)
+        self.socket.close()
+        self.socket = None

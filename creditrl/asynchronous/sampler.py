@@ -1,0 +1,301 @@
+"""The sampling worker (spec 003): behaviour policy (and optionally the reference), prompts,
+``rollout.n`` answers per prompt, scores, log-probs, and whole groups pushed to the learner.
+
+One batch of the loop, top to bottom (``Sampler.run``):
+
+1. handle what the learner sent (acknowledgements drop groups from the outbox; ``stop`` ends
+   the loop; a new learner incarnation means it restarted: resend everything unacknowledged);
+2. wait while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging);
+3. load the newest published weights, if newer (between batches, never inside one);
+4. ``produce``: draw prompts, generate, score, reference log-probs (``ref_on=sampler``), split
+   into groups stamped with episode ids and the weight version that sampled them;
+5. save each group to the outbox, save the data position, send the groups.
+
+``rollout_log_probs`` (from the engine, exact under the behaviour policy at the sampling
+temperature) are the behaviour policy's log-probs the learner's corrections need.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from creditrl.asynchronous.delivery import Outbox
+from creditrl.asynchronous.messages import (
+    Message,
+    MessageError,
+    encode,
+    episodes_message,
+    group_of,
+)
+from creditrl.asynchronous.settings import (
+    check_async_config,
+    needs_reference,
+    sampler_id_of,
+    state_root,
+    weight_root,
+)
+from creditrl.asynchronous.transport import SamplerSocket
+from creditrl.asynchronous.weights import WeightSubscriber
+from creditrl.batch import Batch
+from creditrl.config import Config
+from creditrl.data import ResumableSampler, build_datasets, collate_prompts
+from creditrl.models import (
+    apply_lora,
+    load_causal_lm,
+    load_reference,
+    load_tokenizer,
+    resolve_model_path,
+)
+from creditrl.rewards import RewardManager
+from creditrl.rollout import HFRolloutEngine
+from creditrl.tracking import Timer, Tracker
+from creditrl.workers import ActorWorker
+
+__all__ = ["Sampler", "trim_group"]
+
+log = logging.getLogger(__name__)
+
+
+def trim_group(group: Batch) -> Batch:
+    """Drop the prompt columns that are padding in every row and the response columns past the
+    group's longest response (``attention_mask`` decides); the rows are otherwise unchanged."""
+    t = group["responses"].shape[1]
+    attention = group["attention_mask"]
+    p = attention.shape[1] - t
+    used = attention.bool().any(dim=0)
+    first = int(used[:p].long().argmax())
+    resp = used[p:].nonzero()
+    width = int(resp[-1]) + 1 if len(resp) else 1
+    out = Batch(dict(group.tensors.items()), group.non_tensors, group.meta)
+    for name, x in group.tensors.items():
+        if name in ("input_ids", "attention_mask", "position_ids"):
+            out[name] = x[:, first : p + width].clone()
+        elif name == "prompts":
+            out[name] = x[:, first:].clone()
+        elif x.ndim == 2 and x.shape[1] == t:
+            out[name] = x[:, :width].clone()
+    return out
+
+
+class Sampler:
+    """Sampler number ``index`` of a run described by ``cfg`` (see the module docstring)."""
+
+    def __init__(
+        self, cfg: Config, index: int = 0, *, port: int | None = None, console: Any = None
+    ) -> None:
+        check_async_config(cfg)
+        a = cfg.asynchronous
+        self.cfg, self.index, self.port = cfg, index, port
+        self.sampler_id = sampler_id_of(index)
+        self.console = console or Console(stderr=True)
+        threads = a.sampler_threads or cfg.trainer.num_threads
+        if threads > 0:
+            torch.set_num_threads(threads)
+        torch.manual_seed(cfg.trainer.seed + 1 + index)
+        self.n = cfg.rollout.n
+        self.groups_per_batch = a.sampler_batch_groups or cfg.data.train_batch_size
+        self.max_inflight = a.max_inflight_groups or 2 * cfg.data.train_batch_size
+        model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(model_path)
+        self.train_data, _ = build_datasets(cfg.data, self.tokenizer)
+        self.data = ResumableSampler(
+            len(self.train_data), self.groups_per_batch, cfg.data.seed + index, cfg.data.shuffle
+        )
+        policy = load_causal_lm(model_path, cfg.model.dtype).requires_grad_(False).eval()
+        if cfg.model.lora_rank > 0 and a.lora_sync == "adapter":
+            policy = apply_lora(
+                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
+            ).requires_grad_(False)
+        self.model = policy
+        self.ref = None
+        if needs_reference(cfg) and a.ref_on == "sampler":
+            self.ref = ActorWorker(
+                load_reference(model_path, cfg.model.dtype), cfg.actor, trainable=False
+            )
+        self.engine = HFRolloutEngine(policy, self.tokenizer, cfg.rollout, seed=cfg.trainer.seed)
+        self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.weights = WeightSubscriber(weight_root(cfg))
+        self.version = self.weights.maybe_load(self.model, 0)
+        self.outbox = Outbox(state_root(cfg), self.sampler_id)
+        if self.outbox.data_state is not None:
+            self.data.load_state_dict(self.outbox.data_state)
+        self.tracker = Tracker(self.outbox.dir, ["jsonl"], {}, self.sampler_id)
+        self.incarnation: str | None = None
+        self.last_heard = time.monotonic()
+        self.stopped = False
+        self.batches = 0
+        self.socket: SamplerSocket | None = None
+
+    # ---- producing groups ----------------------------------------------------------------
+
+    def produce(self) -> tuple[list[Batch], dict[str, float]]:
+        """Generate one batch of ``groups_per_batch`` prompts x ``rollout.n`` answers; return
+        its groups (stamped with the sequence numbers they will get) and metrics."""
+        timing: dict[str, float] = {}
+        start = time.perf_counter()
+        rows = [self.train_data[i] for i in next(self.data)]
+        prompts = collate_prompts(rows, self.tokenizer.pad_token_id)
+        first = self.outbox.next_seq
+        prompts["uid"] = [f"{self.sampler_id}:{first + k}" for k in range(len(rows))]
+        prompts = prompts.repeat(self.n, interleave=True)
+        seed = int(
+            np.random.SeedSequence([self.cfg.trainer.seed, self.index, first]).generate_state(1)[0]
+        )
+        with Timer("gen", timing):
+            batch = self.engine.generate(prompts, seed=seed)
+        batch.meta.update(
+            temperature=self.cfg.rollout.temperature,
+            max_response_length=self.cfg.rollout.max_response_length,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        with Timer("reward", timing):
+            result = self.reward(batch)
+        result.write_to(batch)
+        if self.ref is not None:
+            with Timer("ref", timing):
+                batch["ref_log_prob"], _ = self.ref.compute_log_prob(
+                    batch, self.cfg.rollout.temperature, False
+                )
+        groups = [
+            group_of(
+                trim_group(batch[k * self.n : (k + 1) * self.n]),
+                self.sampler_id,
+                first + k,
+                self.version,
+            )
+            for k in range(len(rows))
+        ]
+        timing["batch"] = time.perf_counter() - start
+        tokens = float(batch["attention_mask"].sum())
+        metrics = {
+            **{f"timing_s/{k}": v for k, v in timing.items()},
+            "sampler/weight_version": float(self.version),
+            "sampler/response_tokens": float(batch["response_mask"].sum()),
+            "sampler/tokens_per_s": tokens / max(timing["batch"], 1e-9),
+            "sampler/score_mean": float(result.scores.mean()),
+            **result.metrics,
+        }
+        return groups, metrics
+
+    # ---- talking to the learner ----------------------------------------------------------
+
+    def _send(self, frames: list[bytes]) -> None:
+        while not self.socket.send(frames, timeout_s=self.cfg.asynchronous.ping_s):
+            log.warning(
+                "%s: learner queue full for %.0fs; still trying",
+                self.sampler_id,
+                self.cfg.asynchronous.ping_s,
+            )
+            self._drain(0.0)
+            if self.stopped:
+                return
+
+    def _hello(self) -> None:
+        self._send(
+            encode("hello", {"sampler_id": self.sampler_id, "pending": self.outbox.pending()})
+        )
+
+    def _resend_pending(self) -> None:
+        for seq in self.outbox.pending():
+            self._send(episodes_message(self.sampler_id, seq, self.outbox.load(seq)))
+
+    def _on_message(self, message: Message) -> None:
+        self.last_heard = time.monotonic()
+        incarnation = message.header.get("incarnation")
+        if message.kind == "stop":
+            self.stopped = True
+            return
+        if incarnation is not None and incarnation != self.incarnation:
+            restarted = self.incarnation is not None
+            self.incarnation = incarnation
+            if restarted:
+                log.warning(
+                    "%s: the learner restarted; resending unacknowledged groups", self.sampler_id
+                )
+                self._resend_pending()
+        if message.kind == "ack":
+            for entry in message.header["acks"]:
+                self.outbox.ack(int(entry["seq"]), entry["status"])
+
+    def _drain(self, timeout_s: float) -> bool:
+        """Handle every message that arrives within ``timeout_s``; True if any did."""
+        got = False
+        while True:
+            try:
+                message = self.socket.recv(timeout_s if not got else 0.0)
+            except MessageError as e:
+                log.warning("%s: bad message from the learner skipped: %s", self.sampler_id, e)
+                continue
+            if message is None:
+                return got
+            got = True
+            self._on_message(message)
+
+    def step(self) -> None:
+        """Produce one batch of groups, journal them, and send them."""
+        self.version = self.weights.maybe_load(self.model, self.version)
+        groups, metrics = self.produce()
+        for group in groups:
+            seq = self.outbox.put(group)
+            if group["episode_id"][0] != f"{self.sampler_id}:{seq}:0":
+                raise RuntimeError(f"group numbered {group['episode_id'][0]} saved as seq {seq}")
+        self.outbox.save_state(self.data.state_dict())
+        for group in groups:
+            seq = int(group["episode_id"][0].split(":")[1])
+            self._send(episodes_message(self.sampler_id, seq, group))
+        self.batches += 1
+        metrics["sampler/inflight_groups"] = float(len(self.outbox.pending()))
+        self.tracker.log(metrics, step=self.batches)
+
+    def run(self, max_batches: int | None = None) -> int:
+        """Sample until the learner says stop (or ``max_batches``); returns the exit code."""
+        a = self.cfg.asynchronous
+        self.socket = SamplerSocket(a, self.sampler_id, port=self.port)
+        self.console.print(
+            f"sampler {self.sampler_id}: -> {self.socket.address}, weights v{self.version}, "
+            f"{len(self.outbox.pending())} unacknowledged group(s) to resend"
+        )
+        try:
+            self._hello()
+            self._resend_pending()
+            last_ping = time.monotonic()
+            while not self.stopped and (max_batches is None or self.batches < max_batches):
+                self._drain(0.0)
+                if self.stopped:
+                    break
+                if len(self.outbox.pending()) >= self.max_inflight:
+                    silent = time.monotonic() - self.last_heard
+                    if silent > a.data_timeout_s:
+                        self.console.print(
+                            f"[red]sampler {self.sampler_id}:[/red] no word from the learner at "
+                            f"{self.socket.address} for {silent:.0f}s with "
+                            f"{len(self.outbox.pending())} group(s) unacknowledged; exiting "
+                            "(they stay in the outbox; asynchronous.data_timeout_s)"
+                        )
+                        return 1
+                    if (
+                        not self._drain(min(a.ping_s, 1.0))
+                        and time.monotonic() - last_ping > a.ping_s
+                    ):
+                        self._hello()
+                        last_ping = time.monotonic()
+                    continue
+                self.step()
+        finally:
+            self.close()
+        self.console.print(f"sampler {self.sampler_id}: stopped after {self.batches} batch(es)")
+        return 0
+
+    def close(self) -> None:
+        """Close the socket, the reward workers and the metrics file."""
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+        self.reward.close()
+        self.tracker.close()

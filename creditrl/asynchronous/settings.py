@@ -1,0 +1,67 @@
+"""Settings shared by the async sampler, learner and launcher: checks and default paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from creditrl.config import Config
+
+__all__ = ["check_async_config", "needs_reference", "sampler_id_of", "state_root", "weight_root"]
+
+
+def sampler_id_of(index: int) -> str:
+    """The id of sampler number ``index`` (``s0``, ``s1``, ...)."""
+    if index < 0:
+        raise ValueError(f"sampler index must be >= 0, got {index}")
+    return f"s{index}"
+
+
+def weight_root(cfg: Config) -> Path:
+    """Where the learner publishes weights: ``asynchronous.weight_dir`` or ``<output>/weights``."""
+    return Path(cfg.asynchronous.weight_dir or Path(cfg.trainer.output_dir) / "weights")
+
+
+def state_root(cfg: Config) -> Path:
+    """Where samplers keep their outboxes: ``asynchronous.state_dir`` or ``<output>/samplers``."""
+    return Path(cfg.asynchronous.state_dir or Path(cfg.trainer.output_dir) / "samplers")
+
+
+def needs_reference(cfg: Config) -> bool:
+    """True when the loss or the reward uses the reference policy's log-probs."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def check_async_config(cfg: Config) -> None:
+    """ValueError naming the key for settings the async pair cannot honour."""
+    a = cfg.asynchronous
+    choices = {"ref_on": ("sampler", "learner"), "old_log_probs": ("learner", "sampler")}
+    for key, allowed in choices.items():
+        if getattr(a, key) not in allowed:
+            raise ValueError(
+                f"asynchronous.{key} must be one of {allowed}, got {getattr(a, key)!r}"
+            )
+    if a.lora_sync not in ("merged", "adapter"):
+        raise ValueError(
+            f"asynchronous.lora_sync must be 'merged' or 'adapter', got {a.lora_sync!r}"
+        )
+    if cfg.algorithm.adv_estimator in ("gae", "remax"):
+        raise ValueError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic or a greedy "
+            "baseline, which the async learner does not run; use a group estimator (grpo, rloo, "
+            "...) or `creditrl train`"
+        )
+    if cfg.algorithm.filter_groups.enable:
+        raise ValueError("algorithm.filter_groups (DAPO dynamic sampling) is not supported async")
+    if a.learners < 1 or cfg.data.train_batch_size % a.learners:
+        raise ValueError(
+            f"data.train_batch_size={cfg.data.train_batch_size} groups must divide evenly over "
+            f"asynchronous.learners={a.learners}"
+        )
+    if a.max_inflight_groups and a.max_inflight_groups * a.num_samplers < cfg.data.train_batch_size:
+        raise ValueError(
+            f"asynchronous.max_inflight_groups={a.max_inflight_groups} x num_samplers="
+            f"{a.num_samplers} is below the {cfg.data.train_batch_size} groups a learner step "
+            "needs (data.train_batch_size): the samplers would wait for acknowledgements forever"
+        )
+    if a.max_staleness < 0 or a.publish_every < 1:
+        raise ValueError("asynchronous.max_staleness must be >= 0 and publish_every >= 1")

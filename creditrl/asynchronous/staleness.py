@@ -1,0 +1,133 @@
+"""The learner's buffer of whole groups, bounded staleness, and batches of groups.
+
+Staleness of an episode trained at learner version v (the version before this step's update)
+is ``v - weight_version``, where ``weight_version`` is the version that sampled it: 0 means
+on-policy. A group whose staleness exceeds ``max_staleness`` is dropped (counted, and
+acknowledged as ``stale``); the rest are corrected by the rollout importance weights
+(``creditrl.core.compute_rollout_importance_weights``) when the learner recomputes their
+``old_log_probs``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from creditrl.batch import Batch
+
+__all__ = ["BufferedGroup", "GroupBuffer", "concat_groups", "staleness_metrics"]
+
+_PROMPT_ALIGNED = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass
+class BufferedGroup:
+    """One received group waiting to be trained on."""
+
+    sampler_id: str
+    seq: int
+    version: int
+    batch: Batch
+    received: float = field(default_factory=time.monotonic)
+
+
+class GroupBuffer:
+    """Groups in arrival order, keyed by (sampler_id, seq)."""
+
+    def __init__(self, max_staleness: int) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"asynchronous.max_staleness must be >= 0, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self._groups: OrderedDict[tuple[str, int], BufferedGroup] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def holds(self, sampler_id: str, seq: int) -> bool:
+        """True if group ``seq`` of ``sampler_id`` is waiting here."""
+        return (sampler_id, seq) in self._groups
+
+    def add(self, group: BufferedGroup) -> None:
+        """Queue ``group`` (ValueError if the same group is already queued)."""
+        key = (group.sampler_id, group.seq)
+        if key in self._groups:
+            raise ValueError(f"group {group.sampler_id}:{group.seq} is already buffered")
+        self._groups[key] = group
+
+    def is_stale(self, group: BufferedGroup, version: int) -> bool:
+        """True if ``version - group.version > max_staleness``."""
+        return version - group.version > self.max_staleness
+
+    def drop_stale(self, version: int) -> list[BufferedGroup]:
+        """Remove and return the groups too stale to train at learner ``version``."""
+        stale = [g for g in self._groups.values() if self.is_stale(g, version)]
+        for g in stale:
+            del self._groups[(g.sampler_id, g.seq)]
+        return stale
+
+    def take(self, count: int) -> list[BufferedGroup]:
+        """Remove and return the ``count`` oldest groups (fewer if fewer are waiting)."""
+        keys = list(self._groups)[:count]
+        return [self._groups.pop(k) for k in keys]
+
+
+def _pad(x: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+    if left == 0 and right == 0:
+        return x
+    return torch.nn.functional.pad(x, (left, right), value=value)
+
+
+def concat_groups(groups: list[Batch], pad_token_id: int) -> Batch:
+    """Concatenate groups of different prompt width P and response width T into one Batch.
+
+    Prompts are left-padded to the widest P (``pad_token_id``, attention 0), responses and
+    every (B, T) field right-padded to the widest T (responses with ``pad_token_id``, other
+    fields with 0); ``input_ids``/``attention_mask`` are rebuilt as prompt | response and
+    ``position_ids`` = clamp(cumsum(attention_mask) - 1, 0), which leaves every real token's
+    position unchanged. (B,) fields and non-tensors are concatenated as they are.
+    """
+    if not groups:
+        raise ValueError("concat_groups needs at least one group")
+    width_p = max(g["prompts"].shape[1] for g in groups)
+    width_t = max(g["responses"].shape[1] for g in groups)
+    padded = []
+    for g in groups:
+        p, t = g["prompts"].shape[1], g["responses"].shape[1]
+        left, right = width_p - p, width_t - t
+        tensors: dict[str, torch.Tensor] = {}
+        for name, x in g.tensors.items():
+            if name in _PROMPT_ALIGNED:
+                continue
+            if name == "prompts":
+                tensors[name] = _pad(x, left, 0, pad_token_id)
+            elif x.ndim == 1:
+                tensors[name] = x
+            elif x.ndim == 2 and x.shape[1] == t:
+                tensors[name] = _pad(x, 0, right, pad_token_id if name == "responses" else 0)
+            else:
+                raise ValueError(
+                    f"cannot align field {name!r} of shape {tuple(x.shape)}: neither (B,), "
+                    f"(B, P+T) nor (B, T) with T = {t}"
+                )
+        attention = g["attention_mask"]
+        tensors["attention_mask"] = torch.cat(
+            [_pad(attention[:, :p], left, 0, 0), _pad(attention[:, p:], 0, right, 0)], dim=1
+        )
+        tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
+        tensors["position_ids"] = (tensors["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+        padded.append(Batch(tensors, g.non_tensors, g.meta))
+    return Batch.concat(padded)
+
+
+def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
+    """``async/staleness/{mean,max,min}`` over the samples of a step, and the fraction fresh."""
+    s = staleness.to(torch.float64)
+    return {
+        "async/staleness/mean": float(s.mean()),
+        "async/staleness/max": float(s.max()),
+        "async/staleness/min": float(s.min()),
+        "async/on_policy_fraction": float((s == 0).to(torch.float64).mean()),
+    }

@@ -1,0 +1,196 @@
+"""ZeroMQ sockets between samplers and the learner: bounded, loopback by default, optionally
+CURVE-authenticated. Only bytes cross them (``messages.encode`` / ``messages.decode``).
+
+The learner binds a ROUTER at ``tcp://host:port``; each sampler connects a DEALER whose
+routing identity is its sampler id, so the learner can acknowledge to the sampler that sent a
+group. ``ROUTER_HANDOVER`` lets a restarted sampler take over its identity; with
+``ROUTER_MANDATORY`` an acknowledgement to a sampler that is gone fails visibly instead of
+vanishing. Every socket has send and receive high-water marks of ``hwm`` messages, so a slow
+learner blocks its samplers (back-pressure) instead of growing memory without bound.
+
+CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
+``server.key_secret`` and accepts only the public keys in ``authorized/``; a sampler holds
+``sampler.key_secret`` and the learner's ``server.key``. Binding anything but a loopback
+address without CURVE is refused unless ``allow_insecure`` is set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
+from creditrl.config.schema import AsyncConfig
+
+__all__ = ["LearnerSocket", "SamplerSocket", "endpoint", "is_loopback", "make_curve_keys"]
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint(host: str, port: int) -> str:
+    """``tcp://host:port`` (IPv6 addresses in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def make_curve_keys(directory: str | Path) -> Path:
+    """Create a CURVE key set: ``server.key(_secret)``, ``sampler.key(_secret)`` and
+    ``authorized/sampler.key``. Returns the directory."""
+    directory = Path(directory)
+    (directory / "authorized").mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(str(directory), "server")
+    public, _ = zmq.auth.create_certificates(str(directory), "sampler")
+    shutil.copy(public, directory / "authorized" / "sampler.key")
+    return directory
+
+
+def _load_key(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"CURVE key {path} is missing (create a key set with `creditrl async --make-keys DIR`)"
+        )
+    public, private = zmq.auth.load_certificate(str(path))
+    if secret and private is None:
+        raise ValueError(f"{path} holds no secret key")
+    return public, private
+
+
+def _configure(sock: zmq.Socket, hwm: int) -> None:
+    if hwm < 1:
+        raise ValueError(f"asynchronous.hwm must be >= 1, got {hwm}")
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+class LearnerSocket:
+    """The learner's ROUTER: receives hello/episodes, sends welcome/ack/stop by sampler id."""
+
+    def __init__(self, cfg: AsyncConfig, port: int | None = None) -> None:
+        port = cfg.port if port is None else port
+        self.context = zmq.Context()
+        self.auth: ThreadAuthenticator | None = None
+        self.sock = self.context.socket(zmq.ROUTER)
+        _configure(self.sock, cfg.hwm)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if cfg.curve_keys_dir:
+            keys = Path(cfg.curve_keys_dir)
+            public, secret = _load_key(keys / "server.key_secret", secret=True)
+            self.auth = ThreadAuthenticator(self.context)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(keys / "authorized"))
+            self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
+            self.sock.curve_server = True
+        elif not is_loopback(cfg.host) and not cfg.allow_insecure:
+            self.close()
+            raise ValueError(
+                f"refusing to bind {cfg.host!r} (not loopback) without CURVE: set "
+                "asynchronous.curve_keys_dir (see `creditrl async --make-keys DIR`) or "
+                "asynchronous.allow_insecure=true"
+            )
+        if port == 0:
+            self.port = self.sock.bind_to_random_port(endpoint(cfg.host, 0).rsplit(":", 1)[0])
+        else:
+            self.sock.bind(endpoint(cfg.host, port))
+            self.port = port
+        self.address = endpoint(cfg.host, self.port)
+
+    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+        """The next (sampler id, message), or None after ``timeout_s``. A malformed message
+        raises MessageError (its ``sampler_id`` attribute names the sender)."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        frames = self.sock.recv_multipart()
+        sender = bytes(frames[0]).decode("utf-8", errors="replace")
+        try:
+            message = decode(frames[1:])
+            check_sampler_id(sender)
+        except MessageError as e:
+            e.sampler_id = sender  # type: ignore[attr-defined]
+            raise
+        claimed = message.header.get("sampler_id", sender)
+        if claimed != sender:
+            err = MessageError(f"message from {sender!r} claims sampler_id {claimed!r}")
+            err.sampler_id = sender  # type: ignore[attr-defined]
+            raise err
+        return sender, message
+
+    def send(self, sampler_id: str, frames: list[bytes]) -> bool:
+        """Send to ``sampler_id``; False (logged) when it is not connected or its queue is full."""
+        try:
+            self.sock.send_multipart([sampler_id.encode(), *frames], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            log.warning("could not send to sampler %s: %s", sampler_id, e.strerror)
+            return False
+
+    def close(self) -> None:
+        """Close the socket, the authenticator and the context."""
+        self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.context.term()
+
+
+class SamplerSocket:
+    """A sampler's DEALER connected to the learner, identified by ``sampler_id``."""
+
+    def __init__(self, cfg: AsyncConfig, sampler_id: str, port: int | None = None) -> None:
+        port = cfg.port if port is None else port
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        _configure(self.sock, cfg.hwm)
+        self.sock.setsockopt(zmq.IDENTITY, check_sampler_id(sampler_id).encode())
+        if cfg.curve_keys_dir:
+            keys = Path(cfg.curve_keys_dir)
+            public, secret = _load_key(keys / "sampler.key_secret", secret=True)
+            server, _ = _load_key(keys / "server.key", secret=False)
+            self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
+            self.sock.curve_serverkey = server
+        self.address = endpoint(cfg.host, port)
+        self.sock.connect(self.address)
+
+    def send(self, frames: list[bytes], timeout_s: float) -> bool:
+        """Queue a message; False when the high-water mark stays reached for ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.sock.poll(int(min(left, 0.1) * 1000), zmq.POLLOUT)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message from the learner, or None after ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode(self.sock.recv_multipart())
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self.sock.close(linger=0)
+        self.context.term()

@@ -1,0 +1,47 @@
+"""``creditrl learner``: the training worker of an asynchronous run (spec 003)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+
+from creditrl.config.loader import ConfigError
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Handle ``creditrl learner [CONFIG] [key=value ...] --rank R``."""
+    from creditrl.asynchronous.launcher import load_from_args
+    from creditrl.asynchronous.learner import Learner
+    from creditrl.controller.distributed import destroy_process_group, init_process_group
+
+    try:
+        cfg, _, _ = load_from_args(args.args)
+    except ConfigError as err:
+        console.print(f"[red]config error:[/red] {err}")
+        return 2
+    world = cfg.asynchronous.learners
+    if not 0 <= args.rank < world:
+        console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
+        return 2
+    if world > 1:
+        init_process_group(
+            args.rank,
+            world,
+            master_port=cfg.asynchronous.dist_port,
+            timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
+        )
+    try:
+        Learner(cfg, args.rank, world, console=console).fit()
+    finally:
+        destroy_process_group()
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``learner`` to the CLI."""
+    cmd = sub.add_parser("learner", help="the async training worker (binds; samplers connect)")
+    cmd.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    cmd.add_argument("--rank", type=int, default=0, help="learner rank (asynchronous.learners)")
+    cmd.set_defaults(handler=run)
