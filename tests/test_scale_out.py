@@ -157,3 +157,25 @@ def test_ppo_with_the_critic_in_its_own_pool(tmp_path: Path, ray_cluster) -> Non
     assert trainer.last_batch["values"].shape == trainer.last_batch["responses"].shape
     files = {p.name for p in (tmp_path / "checkpoints" / "step_000001").iterdir()}
     assert {"actor.model.safetensors", "critic.model.safetensors"} <= files
+
+
+def test_agent_loop_runs_inside_ray_workers(tmp_path: Path, ray_cluster) -> None:
+    cfg = config(
+        tmp_path,
+        "preset=calculator_agent",
+        "data.train_size=8",
+        "rollout.max_response_length=24",
+        "agent.max_tokens_per_turn=12",
+        "trainer.backend=ray",
+        "trainer.workers=2",
+        "trainer.total_steps=1",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+    )
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    metrics = read_metrics(tmp_path)[1]
+    assert metrics["num_turns/mean"] >= 1
+    batch = trainer.last_batch
+    assert "turn_ids" in batch and batch["turn_ids"].shape == batch["responses"].shape
+    assert len(batch) == 4

@@ -164,7 +164,8 @@ _SPECS = [
     ),
     FieldSpec(
         "structured_rewards", "(B,)", "object[dict]",
-        'spec 001 per-sample {"turn_rewards": {turn: r}, "global_rewards": {name: r}}',
+        'spec 001 per-sample {"turn_rewards": {"turn": r}, "global_rewards": {name: r}} '
+        "(turn numbers as string keys, so the Batch serialises as JSON)",
         "reward manager (structured multi-turn)",
     ),
     FieldSpec(

@@ -13,4 +13,5 @@ SUBCOMMANDS: list[str] = [
     "creditrl.commands.learner",
     "creditrl.commands.async_train",
     "creditrl.commands.report",
+    "creditrl.commands.check_tokenization",
 ]

@@ -208,6 +208,46 @@ def compute_grpo_outcome_advantage(
     return out, out
 
 
+@register_adv_est("grpo_multiturn")
+def compute_grpo_multiturn_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Index | None = None,
+    *,
+    turn_scores: torch.Tensor | None = None,
+    global_scores: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-turn GRPO (spec 001): the turn part and the global part of the structured reward
+    are normalised separately within each group g, then added:
+
+        A_it = z_g(T)_i + z_g(G)_i  on every valid token,
+        z_g(x)_i = (x_i - mean_g x) / (std_g x + eps)
+
+    with T_i = mean over turns of sample i's turn rewards (``turn_scores``, (B,)) and G_i = its
+    counted global reward sum (``global_scores``, (B,)), as the structured reward manager
+    writes them; std unbiased, no division when ``norm_adv_by_std_in_grpo`` is False. A part
+    that does not vary in a group contributes 0; a group of one gets 0. Without the two parts
+    (an unstructured reward), T = 0 and G_i = sum_t r_it m_it, which is GRPO. Returns equal
+    advantages."""
+    if turn_scores is None or global_scores is None:
+        turn_scores = torch.zeros(token_level_rewards.shape[0])
+        global_scores = _outcome_scores(token_level_rewards, response_mask)
+    gid, n_groups = _group_ids(index, token_level_rewards.shape[0], "grpo_multiturn")
+    adv = torch.zeros(token_level_rewards.shape[0], dtype=torch.float64)
+    for part in (turn_scores, global_scores):
+        part = part.to(torch.float64).reshape(-1).cpu()
+        count, mean, std = _group_stats(part, gid, n_groups)
+        z = part - mean
+        if norm_adv_by_std_in_grpo:
+            z = z / (std + epsilon)
+        adv += torch.where(count > 1, z, 0.0)
+    out = _broadcast(adv.to(response_mask.device), response_mask, token_level_rewards.dtype)
+    return out, out
+
+
 @register_adv_est("dr_grpo")
 def compute_dr_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,

@@ -98,7 +98,7 @@ class RLTrainer:
             self.reward = StructuredRewardManager(cfg.reward, cfg.agent, self.tokenizer)
         else:
             self.reward = RewardManager(cfg.reward, self.tokenizer)
-        self.health = FirstMinibatchMonitor()
+        self.health = FirstMinibatchMonitor.for_autocast(cfg.actor.autocast)
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,

@@ -125,6 +125,8 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
         batch.get("uid"),
         values=batch.get("values"),
         reward_baselines=batch.get("reward_baselines"),
+        turn_scores=batch.get("turn_scores"),
+        global_scores=batch.get("global_scores"),
         gamma=cfg.gamma,
         lam=cfg.lam,
         norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,

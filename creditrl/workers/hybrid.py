@@ -88,7 +88,7 @@ class HybridWorker:
         self.tokenizer = load_tokenizer(self.model_path)
         self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
         self.n = cfg.rollout.n
-        self.actor = self.ref = self.rollout = self.critic = None
+        self.actor = self.ref = self.engine = self.rollout = self.critic = None
         if "actor" in roles:
             self._build_actor()
         if "critic" in roles and cfg.algorithm.adv_estimator == "gae":
@@ -137,7 +137,7 @@ class HybridWorker:
         if ref_model is not None:
             self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
         llm_kwargs = {"distributed_executor_backend": "external_launcher"} if self.world > 1 else {}
-        self.rollout = build_rollout_engine(
+        self.engine = build_rollout_engine(
             rollout_model,
             self.model_path,
             self.tokenizer,
@@ -145,12 +145,13 @@ class HybridWorker:
             seed=cfg.trainer.seed + self.rank,
             llm_kwargs=llm_kwargs if self.uses_vllm else None,
         )
+        self.rollout = self.engine  # what generate() calls: the engine, or the agent loop over it
         if self.uses_vllm:
             self.sync_rollout_weights()
         if cfg.agent.enable:
             from creditrl.agents.rollout import AgentRollout
 
-            self.rollout = AgentRollout(self.rollout, self.tokenizer, cfg.agent, cfg.rollout)
+            self.rollout = AgentRollout(self.engine, self.tokenizer, cfg.agent, cfg.rollout)
 
     def _build_critic(self) -> None:
         cfg = self.cfg
@@ -182,11 +183,11 @@ class HybridWorker:
         wakes up for it and sleeps after, giving the GPU memory back to training."""
         if not self.uses_vllm:
             return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
-        self.rollout.wake_up()
+        self.engine.wake_up()
         try:
             return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
         finally:
-            self.rollout.sleep()
+            self.engine.sleep()
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``old_log_probs`` and ``entropys`` under the actor."""
@@ -221,12 +222,12 @@ class HybridWorker:
         actor's own modules; a full copy gathered from the shards (fsdp2); or, for vLLM, the
         full state dict loaded in place (its KV cache stays asleep until the next rollout)."""
         if self.uses_vllm:
-            self.rollout.wake_up(tags=["weights"])
-            self.rollout.update_weights(full_state_dict(self.actor.model).items())
+            self.engine.wake_up(tags=["weights"])
+            self.engine.update_weights(full_state_dict(self.actor.model).items())
             return
-        if self.rollout.model is self.actor.model:
+        if self.engine.model is self.actor.model:
             return
-        self.rollout.model.load_state_dict(full_state_dict(self.actor.model))
+        self.engine.model.load_state_dict(full_state_dict(self.actor.model))
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -243,7 +244,7 @@ class HybridWorker:
         """This rank's random streams (update shuffles, rollout fallback stream)."""
         gens = {}
         if self.actor is not None:
-            gens.update(actor=self.actor.generator, rollout=self.rollout.generator)
+            gens.update(actor=self.actor.generator, rollout=self.engine.generator)
         if self.critic is not None:
             gens["critic"] = self.critic.generator
         return gens

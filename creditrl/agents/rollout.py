@@ -1,0 +1,200 @@
+"""AgentRollout: the agent loop behind the rollout engine's interface, so the trainer's rollout
+stage runs multi-turn tool use with any engine.
+
+``generate(prompts, greedy=False, temperature=None) -> Batch`` takes the prompt Batch
+(left-padded ``input_ids``/``attention_mask``; ``raw_prompt`` messages if present) and returns
+what ``HFRolloutEngine.generate`` returns (``prompts``, ``responses``, ``response_mask``,
+``input_ids``, ``attention_mask``, ``position_ids``, ``rollout_log_probs``) plus ``turn_ids``
+(B, T) and ``num_turns`` (B,), and the non-tensors ``messages`` (the conversation as text),
+``tool_calls`` (records), ``agent_info`` (stop reason, turns) and ``tokenization_drift`` (drift
+reports of the checked rows, else None). T is the longest response.
+
+Masks (spec 001): ``attention_mask`` is 1 on every real token, observations included.
+``response_mask`` is 1 on the policy's tokens only (``state_masking``, the default); with
+``agent.state_masking=false`` it is the response part of ``attention_mask``, as spec 001's
+mask table prescribes for that setting. ``rollout_log_probs`` is 0 on observation tokens.
+
+``last_metrics`` holds the latest batch's ``agent_metrics`` (``tools/*``, ``num_turns/*``,
+``agent/*``). The drift checks run on the batch afterwards (``creditrl.agents.hooks``), where
+the trainer has it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from creditrl.agents.drift import DRIFT_FIELD
+from creditrl.agents.loop import STOP_REASONS, AgentLoop, Trajectory
+from creditrl.batch import Batch
+from creditrl.config.schema import AgentConfig, RolloutConfig
+from creditrl.rollout.continuation import EngineTurnGenerator, TurnGenerator
+from creditrl.tools import TOOL_STATUSES, ToolRegistry, build_registry
+
+__all__ = ["AGENT_FIELDS", "AgentRollout", "agent_metrics", "trajectories_to_batch"]
+
+AGENT_FIELDS = ("messages", "tool_calls", "agent_info", DRIFT_FIELD)
+_DUMPED = ("num_turns", "agent_info", "tool_calls", DRIFT_FIELD)
+
+
+def trajectories_to_batch(
+    prompts: Batch,
+    trajectories: list[Trajectory],
+    pad_token_id: int,
+    state_masking: bool = True,
+) -> Batch:
+    """The rollout Batch of ``trajectories`` (one per row of ``prompts``); see the module
+    docstring for the fields."""
+    ids, mask = prompts["input_ids"].long().cpu(), prompts["attention_mask"].long().cpu()
+    size = len(trajectories)
+    width = max(1, max(len(t.response_ids) for t in trajectories))
+    responses = torch.full((size, width), pad_token_id, dtype=torch.long)
+    policy_mask = torch.zeros((size, width), dtype=torch.long)
+    real = torch.zeros((size, width), dtype=torch.long)
+    turn_ids = torch.zeros((size, width), dtype=torch.long)
+    log_probs = torch.zeros((size, width), dtype=torch.float32)
+    for i, traj in enumerate(trajectories):
+        n = len(traj.response_ids)
+        responses[i, :n] = torch.tensor(traj.response_ids, dtype=torch.long)
+        policy_mask[i, :n] = torch.tensor(traj.response_mask, dtype=torch.long)
+        real[i, :n] = 1
+        turn_ids[i, :n] = torch.tensor(traj.turn_ids, dtype=torch.long)
+        log_probs[i, :n] = torch.tensor(traj.log_probs, dtype=torch.float32)
+    attention_mask = torch.cat([mask, real], dim=1)
+    fields = {
+        "prompts": ids,
+        "responses": responses,
+        "response_mask": policy_mask if state_masking else real.clone(),
+        "input_ids": torch.cat([ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "rollout_log_probs": log_probs,
+        "turn_ids": turn_ids,
+        "num_turns": torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
+    }
+    device = prompts["input_ids"].device
+    tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
+    tensors.update({k: v.to(device) for k, v in fields.items()})
+    non_tensors = dict(prompts.non_tensors)
+    non_tensors["messages"] = [t.messages for t in trajectories]
+    non_tensors["tool_calls"] = [[c.as_dict() for c in t.tool_calls] for t in trajectories]
+    non_tensors["agent_info"] = [
+        {
+            "stop_reason": t.stop_reason,
+            "num_turns": t.num_turns,
+            "observation_truncated": t.observation_truncated,
+            "observation_tokens": t.response_mask.count(0),
+            "turns": t.turns,
+        }
+        for t in trajectories
+    ]
+    non_tensors[DRIFT_FIELD] = [None] * size
+    meta = dict(prompts.meta)
+    keys = list(meta.get("reward_extra_keys", []))
+    meta["reward_extra_keys"] = keys + [k for k in _DUMPED if k not in keys]
+    return Batch(tensors, non_tensors, meta)
+
+
+def agent_metrics(batch: Batch) -> dict[str, float]:
+    """Tool and turn metrics of a rollout batch (from its ``tool_calls``, ``agent_info``,
+    ``num_turns`` and masks, so they can be computed wherever the batch is):
+    ``tools/calls``, ``tools/errors`` (failed calls other than timeouts), ``tools/timeouts``,
+    ``tools/success_rate`` (calls that parsed and ran without error / calls; 0 without calls),
+    ``tools/calls_per_sample``, ``tools/status/<status>`` counts, ``num_turns/{mean,max,min}``,
+    ``agent/stop_<reason>`` (fractions of samples) and ``agent/observation_tokens_mean``."""
+    size = max(len(batch), 1)
+    records = [c for calls in batch["tool_calls"] for c in (calls or [])]
+    statuses = Counter(str(c["status"]) for c in records)
+    calls = sum(statuses.values())
+    turns = batch["num_turns"].to(torch.float64)
+    infos = [info or {} for info in batch["agent_info"]]
+    observation = sum(int(info.get("observation_tokens", 0)) for info in infos)
+    stops = Counter(str(info.get("stop_reason")) for info in infos)
+    metrics = {
+        "tools/calls": float(calls),
+        "tools/errors": float(calls - statuses["ok"] - statuses["timeout"]),
+        "tools/timeouts": float(statuses["timeout"]),
+        "tools/success_rate": statuses["ok"] / calls if calls else 0.0,
+        "tools/calls_per_sample": calls / size,
+        "num_turns/mean": float(turns.mean()),
+        "num_turns/max": float(turns.max()),
+        "num_turns/min": float(turns.min()),
+        "agent/observation_tokens_mean": observation / size,
+    }
+    for status in TOOL_STATUSES[1:]:
+        metrics[f"tools/status/{status}"] = float(statuses[status])
+    for reason in STOP_REASONS:
+        metrics[f"agent/stop_{reason}"] = stops[reason] / size
+    return metrics
+
+
+class AgentRollout:
+    """Multi-turn rollouts through ``engine``; see the module docstring.
+
+    ``turn_generator`` replaces the engine adapter (tests pass a scripted one); ``tools``
+    replaces the registry built from ``agent_cfg``. ``generator`` is the engine's
+    ``torch.Generator`` (saved in checkpoints like the plain engine's).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        agent_cfg: AgentConfig,
+        rollout_cfg: RolloutConfig,
+        *,
+        tools: ToolRegistry | None = None,
+        turn_generator: TurnGenerator | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.cfg = agent_cfg
+        self.turns = turn_generator or EngineTurnGenerator(
+            engine,
+            tokenizer,
+            max_tokens_per_turn=agent_cfg.max_tokens_per_turn,
+            stop=agent_cfg.stop,
+        )
+        self.tools = tools or build_registry(
+            agent_cfg.tools,
+            agent_cfg.tool_config,
+            agent_cfg.tool_timeout_s,
+            agent_cfg.max_parallel_calls,
+        )
+        self.loop = AgentLoop(
+            self.turns, tokenizer, self.tools, agent_cfg, rollout_cfg.max_response_length
+        )
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        self.last_metrics: dict[str, float] = {}
+        self.last_trajectories: list[Trajectory] = []
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return getattr(self.engine, "generator", None)
+
+    @property
+    def model(self) -> Any:
+        """The engine's model (weight syncs and checkpoints see the engine's)."""
+        return self.engine.model
+
+    def generate(
+        self, prompts: Batch, *, greedy: bool = False, temperature: float | None = None
+    ) -> Batch:
+        """Multi-turn trajectories for every row of ``prompts``."""
+        ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        raw = list(prompts["raw_prompt"]) if "raw_prompt" in prompts else None
+        raw = [r if isinstance(r, list) else None for r in raw] if raw is not None else None
+        seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else None
+        trajectories = self.loop.run(
+            prompt_ids, raw, greedy=greedy, temperature=temperature, seeds=seeds
+        )
+        batch = trajectories_to_batch(
+            prompts, trajectories, self.pad_token_id, self.cfg.state_masking
+        )
+        self.last_metrics = agent_metrics(batch)
+        self.last_trajectories = trajectories
+        return batch

@@ -1,0 +1,163 @@
+"""Continue token-id sequences by one assistant turn: the engine interface of the agent loop.
+
+``generate_turns(requests)`` takes, per sequence, its token ids so far (prompt + every earlier
+turn and observation, exactly as accumulated) and a token budget, and returns the new ids and
+their log-probs under the sampling distribution. Nothing is decoded and re-encoded: the new ids
+are the engine's samples. A turn ends at an EOS id, at the budget, or just after the token that
+completes a stop string (stop strings are found on the decoded text, only to choose where to
+cut; the kept ids are a prefix of the sampled ones, so they remain the policy's own samples).
+
+``EngineTurnGenerator`` adapts any engine with the rollout interface
+``generate(prompts: Batch, greedy=..., temperature=...) -> Batch`` (``responses``,
+``response_mask``, ``rollout_log_probs``). For ``HFRolloutEngine`` it runs a sibling engine
+that shares the model, tokenizer, EOS ids and random generator, with ``max_response_length`` =
+the per-turn cap, so no turn samples past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from creditrl.batch import Batch
+from creditrl.rollout.hf_engine import HFRolloutEngine
+
+__all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
+
+
+@dataclass
+class TurnRequest:
+    """Continue ``ids`` (the whole context so far) by at most ``max_new_tokens`` tokens.
+
+    ``sample`` (row in the batch) and ``turn`` (1-based) say which trajectory asks; engines may
+    ignore them (scripted test engines and sticky routing use them). ``seed``: this turn's own
+    sampling stream (the engine's ``sample_seed``), or None for the engine's shared stream.
+    """
+
+    ids: list[int]
+    max_new_tokens: int
+    sample: int = -1
+    turn: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class TurnOutput:
+    """The new tokens and log π_sample of each (float, same length)."""
+
+    ids: list[int]
+    log_probs: list[float]
+
+
+class TurnGenerator(Protocol):
+    """What the agent loop needs from an engine."""
+
+    eos_token_ids: list[int]
+
+    def generate_turns(
+        self,
+        requests: Sequence[TurnRequest],
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> list[TurnOutput]: ...
+
+
+def cut_at_stop(ids: list[int], tokenizer: Any, stop: Sequence[str]) -> int:
+    """The smallest k such that ``decode(ids[:k])`` contains a stop string (len(ids) if none).
+
+    Containment only grows with k, so k is found by bisection (O(log n) decodes).
+    """
+
+    def has_stop(k: int) -> bool:
+        text = tokenizer.decode(ids[:k], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not stop or not ids or not has_stop(len(ids)):
+        return len(ids)
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if has_stop(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if not seq:
+            raise ValueError(f"sequence {i} is empty; a turn needs a context")
+        ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+
+
+class EngineTurnGenerator:
+    """One turn per request through a rollout engine; see the module docstring.
+
+    ``max_tokens_per_turn`` (> 0) caps every turn; ``stop`` strings end a turn early.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        max_tokens_per_turn: int = 0,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        self.turn_engine = engine
+        if isinstance(engine, HFRolloutEngine):
+            eos = [int(t) for t in engine.eos_token_ids.tolist()]
+            self.eos_token_ids = eos
+            cap = engine.cfg.max_response_length
+            if 0 < max_tokens_per_turn < cap:
+                cfg = dataclasses.replace(engine.cfg, max_response_length=max_tokens_per_turn)
+                self.turn_engine = HFRolloutEngine(
+                    engine.model, engine.tokenizer, cfg, eos_token_ids=eos
+                )
+                self.turn_engine.generator = engine.generator
+        else:
+            eos = getattr(engine, "eos_token_ids", None)
+            if eos is None:
+                eos = [tokenizer.eos_token_id]
+            self.eos_token_ids = [int(t) for t in (eos.tolist() if hasattr(eos, "tolist") else eos)]
+
+    def generate_turns(
+        self,
+        requests: Sequence[TurnRequest],
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> list[TurnOutput]:
+        """New ids and log-probs for each request, cut at its budget and at stop strings."""
+        if not requests:
+            return []
+        prompts = _left_padded([r.ids for r in requests], self.pad_token_id)
+        if all(r.seed is not None for r in requests):
+            prompts["sample_seed"] = torch.tensor([r.seed for r in requests], dtype=torch.long)
+        out = self.turn_engine.generate(prompts, greedy=greedy, temperature=temperature)
+        lengths = out["response_mask"].sum(-1).tolist()
+        responses, log_probs = out["responses"].cpu(), out["rollout_log_probs"].cpu().float()
+        results = []
+        for i, request in enumerate(requests):
+            n = min(int(lengths[i]), max(int(request.max_new_tokens), 0))
+            ids = responses[i, :n].tolist()
+            n = cut_at_stop(ids, self.tokenizer, self.stop)
+            results.append(TurnOutput(ids[:n], log_probs[i, :n].tolist()))
+        return results

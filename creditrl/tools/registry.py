@@ -1,0 +1,429 @@
+"""Tools the policy can call: OpenAI function schemas, argument checks, execution with timeouts.
+
+A ``Tool`` is a Python function (sync or async) returning text, plus its OpenAI function schema
+``{"type": "function", "function": {"name", "description", "parameters"}}``. The schema comes
+from an explicit dict, or from the function's type hints and its docstring: the first paragraph
+is the description, and lines ``name: text`` under an ``Args:`` heading describe parameters.
+
+``ToolRegistry.call`` never raises for the policy's mistakes: an unknown tool, arguments that do
+not fit the schema, a tool that raises, and a tool that runs past its timeout each come back as
+a ``ToolResult`` with a status (``unknown_tool``, ``bad_arguments``, ``error``, ``timeout``) and
+an error text that becomes the observation.
+
+YAML tool config (``agent.tool_config``)::
+
+    tools:
+      - name: calculator                       # a built-in (see BUILTIN_TOOLS)
+      - name: kg_lookup
+        kwargs: {path: my_triples.tsv}          # passed to the built-in's factory
+      - name: weather
+        function: path/to/tools.py:get_weather  # or package.module:function
+        description: Current weather of a city  # optional; else the docstring
+        parameters: {type: object, properties: {city: {type: string}}, required: [city]}
+        timeout_s: 3                            # optional; else agent.tool_timeout_s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "TOOL_STATUSES",
+    "Tool",
+    "ToolArgumentError",
+    "ToolRegistry",
+    "ToolResult",
+    "build_registry",
+    "function_schema",
+    "load_function",
+    "validate_arguments",
+]
+
+TOOL_STATUSES = ("ok", "error", "timeout", "unknown_tool", "bad_arguments", "malformed", "skipped")
+
+_JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    tuple: "array",
+    dict: "object",
+}
+
+
+_ARG_HEADINGS = ("Args:", "Arguments:", "Parameters:")
+
+
+class ToolArgumentError(ValueError):
+    """Arguments that do not fit a tool's schema."""
+
+
+@dataclass
+class Tool:
+    """A callable the policy may use. ``fn(**arguments)`` returns text (other values are
+    JSON-encoded); it may be a coroutine function. ``timeout_s`` None: the registry default."""
+
+    name: str
+    fn: Callable[..., Any]
+    schema: dict[str, Any]
+    timeout_s: float | None = None
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The JSON schema of the arguments object."""
+        return self.schema["function"]["parameters"]
+
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        description: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Tool:
+        """A Tool whose schema comes from ``fn``'s hints and docstring unless given."""
+        schema = function_schema(fn, name, description)
+        if parameters is not None:
+            schema["function"]["parameters"] = dict(parameters)
+        return cls(schema["function"]["name"], fn, schema, timeout_s)
+
+
+@dataclass
+class ToolResult:
+    """One call's outcome: ``status`` in TOOL_STATUSES, ``output`` (the observation text)."""
+
+    status: str
+    output: str
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _doc_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """(description, {parameter: description}) from a Google-style docstring: the first
+    paragraph, and the ``name: text`` lines of an indented ``Args:`` block (deeper-indented
+    lines continue the previous parameter)."""
+    doc = inspect.getdoc(fn) or ""
+    description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    lines = doc.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.strip() in _ARG_HEADINGS]
+    params: dict[str, str] = {}
+    if not heads:
+        return description, params
+    indent, current = None, None
+    for line in lines[heads[0] + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth == 0:
+            break
+        indent = depth if indent is None else indent
+        head, sep, text = line.strip().partition(":")
+        name = head.split("(")[0].strip()
+        if depth == indent and sep and name.isidentifier():
+            current = name
+            params[name] = text.strip()
+        elif current is not None:
+            params[current] = f"{params[current]} {line.strip()}".strip()
+    return description, params
+
+
+def _type_schema(hint: Any, where: str) -> dict[str, Any]:
+    """JSON schema of one annotation (str, int, float, bool, list[X], dict, Literal, X | None)."""
+    origin = typing.get_origin(hint)
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    if origin is typing.Literal:
+        values = list(typing.get_args(hint))
+        return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return _type_schema(args[0], where)
+        return {"anyOf": [_type_schema(a, where) for a in args]}
+    if origin in (list, tuple, Sequence):
+        args = typing.get_args(hint)
+        item = _type_schema(args[0], where) if args and args[0] is not Ellipsis else {}
+        return {"type": "array", "items": item} if item else {"type": "array"}
+    if origin in (dict, Mapping):
+        return {"type": "object"}
+    raise TypeError(f"{where}: cannot describe type {hint!r} in a tool schema")
+
+
+def function_schema(
+    fn: Callable[..., Any], name: str | None = None, description: str | None = None
+) -> dict[str, Any]:
+    """OpenAI function schema of ``fn`` from its type hints and docstring.
+
+    Every parameter needs a hint; parameters without a default are ``required``.
+    """
+    name = name or fn.__name__
+    hints = typing.get_type_hints(fn)
+    doc_description, doc_params = _doc_parts(fn)
+    properties: dict[str, Any] = {}
+    required = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.name not in hints:
+            raise TypeError(f"tool {name!r}: parameter {param.name!r} has no type hint")
+        prop = _type_schema(hints[param.name], f"tool {name!r} parameter {param.name!r}")
+        if param.name in doc_params:
+            prop["description"] = doc_params[param.name]
+        properties[param.name] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description or doc_description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+def _fits(value: Any, schema: Mapping[str, Any]) -> bool:
+    if "anyOf" in schema:
+        return any(_fits(value, s) for s in schema["anyOf"])
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind is None:
+        return True
+    checks = {
+        "string": lambda v: isinstance(v, str),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+        "null": lambda v: v is None,
+    }
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not any(checks.get(k, lambda v: True)(value) for k in kinds):
+        return False
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return all(_fits(v, schema["items"]) for v in value)
+    return True
+
+
+def validate_arguments(parameters: Mapping[str, Any], arguments: Any) -> dict[str, Any]:
+    """``arguments`` checked against a parameters schema (object with properties/required):
+    a dict, no unknown keys, every required key, each value of its declared type (and enum).
+    Raises ToolArgumentError naming the first problem."""
+    if not isinstance(arguments, dict):
+        raise ToolArgumentError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    properties = parameters.get("properties", {})
+    unknown = sorted(set(arguments) - set(properties))
+    if unknown and parameters.get("additionalProperties", False) is False:
+        raise ToolArgumentError(f"unknown argument(s) {unknown}; expected {sorted(properties)}")
+    missing = [k for k in parameters.get("required", []) if k not in arguments]
+    if missing:
+        raise ToolArgumentError(f"missing required argument(s) {missing}")
+    for key, value in arguments.items():
+        schema = properties.get(key, {})
+        if not _fits(value, schema):
+            want = schema.get("type") or schema.get("anyOf") or schema.get("enum")
+            raise ToolArgumentError(f"argument {key!r}={value!r} does not match {want}")
+    return dict(arguments)
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """A function from ``"path/to/file.py:name"`` or ``"package.module:name"``."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"tool function {spec!r} must be 'path/to/file.py:fn' or 'module:fn'")
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"tool file {str(path)!r} (from {spec!r}) does not exist")
+        mod_name = "creditrl_user_tool_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        module = sys.modules.get(mod_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"cannot import tool file {str(path)!r}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            sys.modules[mod_name] = module
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise AttributeError(f"tool function {spec!r}: {attr!r} is not a callable there")
+    return fn
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+@dataclass
+class ToolRegistry:
+    """Tools by name; ``call`` runs one with argument checks, a timeout and error capture.
+
+    ``max_parallel`` bounds the calls running at once (over every sample of a batch), within
+    one event loop.
+    """
+
+    tools: dict[str, Tool] = field(default_factory=dict)
+    timeout_s: float = 5.0
+    max_parallel: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_parallel < 1:
+            raise ValueError(f"max_parallel_calls must be >= 1, got {self.max_parallel}")
+        self._semaphores: dict[int, asyncio.Semaphore] = {}
+
+    def register(self, tool: Tool) -> Tool:
+        """Add ``tool``; ValueError if its name is taken."""
+        if tool.name in self.tools:
+            raise ValueError(f"tool {tool.name!r} is registered twice")
+        self.tools[tool.name] = tool
+        return tool
+
+    def names(self) -> list[str]:
+        return list(self.tools)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas of every tool, in registration order."""
+        return [tool.schema for tool in self.tools.values()]
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop_id = id(asyncio.get_running_loop())
+        if loop_id not in self._semaphores:
+            self._semaphores = {loop_id: asyncio.Semaphore(self.max_parallel)}
+        return self._semaphores[loop_id]
+
+    async def call(self, name: str, arguments: Any) -> ToolResult:
+        """Run tool ``name`` with ``arguments``; every failure becomes a ToolResult."""
+        start = time.perf_counter()
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(
+                "unknown_tool", f"Error: unknown tool {name!r}; available tools: {self.names()}"
+            )
+        try:
+            arguments = validate_arguments(tool.parameters, arguments)
+        except ToolArgumentError as e:
+            return ToolResult("bad_arguments", f"Error: bad arguments for {name!r}: {e}")
+        timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+        async with self._semaphore():
+            start = time.perf_counter()
+            try:
+                if inspect.iscoroutinefunction(tool.fn):
+                    value = await asyncio.wait_for(tool.fn(**arguments), timeout)
+                else:
+                    value = await asyncio.wait_for(asyncio.to_thread(tool.fn, **arguments), timeout)
+            except TimeoutError as e:
+                return ToolResult(
+                    "timeout",
+                    f"Error: tool {name!r} timed out: {str(e) or f'no result after {timeout:g}s'}",
+                    time.perf_counter() - start,
+                )
+            except Exception as e:
+                return ToolResult(
+                    "error",
+                    f"Error: {type(e).__name__}: {e}",
+                    time.perf_counter() - start,
+                )
+        return ToolResult("ok", _as_text(value), time.perf_counter() - start)
+
+
+def _builtin_factories() -> dict[str, Callable[..., Tool]]:
+    from creditrl.tools.calculator import calculator_tool
+    from creditrl.tools.kg_lookup import kg_lookup_tool
+    from creditrl.tools.python_sandbox import python_tool
+
+    return {"calculator": calculator_tool, "python": python_tool, "kg_lookup": kg_lookup_tool}
+
+
+BUILTIN_TOOLS = ("calculator", "python", "kg_lookup")
+
+
+def _tool_from_entry(entry: Mapping[str, Any], where: str, timeout_s: float) -> Tool:
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+        raise ValueError(f"{where}: each tool entry needs a 'name' (got {entry!r})")
+    entry = dict(entry)
+    name = entry.pop("name")
+    known = {"function", "description", "parameters", "timeout_s", "kwargs"}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise ValueError(f"{where}: tool {name!r} has unknown keys {unknown}; use {sorted(known)}")
+    kwargs = dict(entry.get("kwargs") or {})
+    if "function" in entry:
+        fn = load_function(str(entry["function"]))
+        if kwargs:
+            raise ValueError(f"{where}: tool {name!r}: 'kwargs' is for built-ins only")
+        tool = Tool.from_function(fn, name, entry.get("description"), entry.get("parameters"))
+    else:
+        factories = _builtin_factories()
+        if name not in factories:
+            raise ValueError(
+                f"{where}: tool {name!r} is not a built-in {sorted(factories)}; "
+                "give a 'function: path.py:fn'"
+            )
+        factory = factories[name]
+        if "timeout_s" in inspect.signature(factory).parameters:
+            kwargs.setdefault("timeout_s", float(entry.get("timeout_s") or timeout_s))
+        tool = factory(**kwargs)
+        if "description" in entry:
+            tool.schema["function"]["description"] = entry["description"]
+        if "parameters" in entry:
+            tool.schema["function"]["parameters"] = dict(entry["parameters"])
+    if entry.get("timeout_s") is not None and tool.timeout_s is None:
+        tool.timeout_s = float(entry["timeout_s"])
+    return tool
+
+
+def build_registry(
+    names: Sequence[str] = (),
+    tool_config: str | None = None,
+    timeout_s: float = 5.0,
+    max_parallel: int = 4,
+) -> ToolRegistry:
+    """A registry of the built-ins ``names`` plus the entries of the YAML ``tool_config``."""
+    registry = ToolRegistry(timeout_s=timeout_s, max_parallel=max_parallel)
+    for name in names:
+        registry.register(_tool_from_entry({"name": name}, "agent.tools", timeout_s))
+    if tool_config:
+        from omegaconf import OmegaConf
+
+        path = Path(tool_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"agent.tool_config file {str(path)!r} does not exist")
+        data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        entries = data.get("tools") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: expected a top-level 'tools:' list")
+        for i, entry in enumerate(entries):
+            tool = _tool_from_entry(entry, f"{path} tools[{i}]", timeout_s)
+            if tool.name in registry.tools:
+                registry.tools[tool.name] = tool  # the file's entry refines a built-in name
+            else:
+                registry.register(tool)
+    return registry
