@@ -2,12 +2,15 @@
 
 from creditrl.config.schema import (
     ActorConfig,
+    AgentConfig,
     AlgorithmConfig,
+    AsyncConfig,
     Config,
     CriticConfig,
     DataConfig,
     ModelConfig,
     OptimConfig,
+    RayConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
@@ -15,12 +18,15 @@ from creditrl.config.schema import (
 
 __all__ = [
     "ActorConfig",
+    "AgentConfig",
     "AlgorithmConfig",
+    "AsyncConfig",
     "Config",
     "CriticConfig",
     "DataConfig",
     "ModelConfig",
     "OptimConfig",
+    "RayConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainerConfig",
