@@ -76,7 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in sorted(metrics.items()):
             console.print(f"{key}: {value:.4f}")
         return 0
-    summary = trainer.fit()
+    from creditrl.controller.ray_group import WorkerError
+
+    try:
+        summary = trainer.fit()
+    except WorkerError as err:
+        console.print(f"[red]worker error:[/red] {err}", markup=True)
+        console.print(
+            f"the run stopped; rerun the same command to resume from the last checkpoint in "
+            f"{cfg.trainer.output_dir}/checkpoints"
+        )
+        return 1
     print_summary(console, summary.as_dict())
     return 0
 

@@ -179,3 +179,27 @@ def test_agent_loop_runs_inside_ray_workers(tmp_path: Path, ray_cluster) -> None
     batch = trainer.last_batch
     assert "turn_ids" in batch and batch["turn_ids"].shape == batch["responses"].shape
     assert len(batch) == 4
+
+
+def test_cli_reports_a_dead_worker_and_how_to_resume(tmp_path: Path, capsys) -> None:
+    from unittest import mock
+
+    from creditrl import cli
+    from creditrl.models.tiny import tiny_model_dir
+
+    error = WorkerError("actor_rollout_ref rank 1 died during update_actor: ActorDiedError")
+    with mock.patch.object(RLTrainer, "fit", side_effect=error):
+        code = cli.main(
+            [
+                "train",
+                f"model.path={tiny_model_dir()}",
+                f"trainer.output_dir={tmp_path}",
+                "reward.num_workers=1",
+                "data.train_size=8",
+                "data.val_size=2",
+            ]
+        )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "rank 1 died during update_actor" in out
+    assert "rerun the same command to resume" in out
