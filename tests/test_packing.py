@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_workers import make_batch as padded_batch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from creditrl import Batch
@@ -42,32 +43,12 @@ RESPONSES = [5, 1, 3, 4, 2, 0]
 
 
 def make_batch(prompt_lens=PROMPTS, response_lens=RESPONSES, p=6, t=5, seed=0) -> Batch:
-    """Left-padded prompts, right-padded responses; row 0 has an observation token (response
-    mask 0, attention 1) inside its response, as a multi-turn rollout writes it."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(prompt_lens)
-    prompts = torch.zeros(b, p, dtype=torch.long)
-    responses = torch.zeros(b, t, dtype=torch.long)
-    pmask = torch.zeros(b, p, dtype=torch.long)
-    ratt = torch.zeros(b, t, dtype=torch.long)
-    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
-        prompts[i, p - pl :] = torch.randint(3, VOCAB, (pl,), generator=g)
-        pmask[i, p - pl :] = 1
-        responses[i, :rl] = torch.randint(3, VOCAB, (rl,), generator=g)
-        ratt[i, :rl] = 1
-    rmask = ratt.clone()
-    rmask[0, 2] = 0
-    attention = torch.cat([pmask, ratt], 1)
-    return Batch.from_dict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": rmask,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-        }
-    )
+    """``test_workers.make_batch``, with an observation token (response mask 0, attention 1)
+    inside row 0's response, as a multi-turn rollout writes it."""
+    batch = padded_batch(prompt_lens, response_lens, p=p, t=t, seed=seed)
+    if response_lens[0] > 2:
+        batch["response_mask"][0, 2] = 0
+    return batch
 
 
 def test_pack_layout_and_alignment() -> None:

@@ -6,12 +6,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from creditrl import Batch
 from creditrl.config.schema import RolloutConfig
-from creditrl.models.tiny import tiny_model_dir
-from creditrl.models.tokenizer import load_tokenizer
 from creditrl.rollout import HFRolloutEngine, eos_token_ids_of, filter_logits, sample_next_tokens
 from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
 from creditrl.rollout.sampling import inverse_cdf_sample
@@ -26,29 +23,6 @@ FIELDS = {
     "position_ids": torch.int64,
     "rollout_log_probs": torch.float32,
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(tiny_model_dir())
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
 
 
 def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:

@@ -9,13 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from creditrl import Batch
 from creditrl.config.schema import ActorConfig, RolloutConfig
 from creditrl.core import compute_rollout_importance_weights, kl_penalty, masked_mean
 from creditrl.models.tiny import tiny_model_dir
-from creditrl.models.tokenizer import load_tokenizer
 from creditrl.rollout import HFRolloutEngine, SamplingParams
 from creditrl.rollout.factory import build_rollout_engine
 from creditrl.rollout.vllm_engine import (
@@ -34,29 +33,6 @@ from creditrl.workers import ActorWorker
 PAD = 2
 EOS = list(range(3, 49152, 9))  # ~1 id in 9 ends a response: rows of varied lengths
 UNAVAILABLE = vllm_unavailable_reason()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(tiny_model_dir())
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
 
 
 def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:

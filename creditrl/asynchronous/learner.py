@@ -74,20 +74,11 @@ from creditrl.trainers import stages
 from creditrl.trainers.checkpoint import CheckpointManager
 from creditrl.workers import ActorWorker
 from creditrl.workers.checkpoint_io import load_trainable, save_trainable
+from creditrl.workers.hybrid import ADDITIVE_METRICS
 
 __all__ = ["ADDITIVE_METRICS", "AsyncRolloutDumper", "Learner"]
 
 log = logging.getLogger(__name__)
-
-# Update metrics summed over learner ranks (each rank's loss is divided by global counts).
-ADDITIVE_METRICS = (
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/kl_loss",
-    "actor/pg_clipfrac",
-    "actor/pg_clipfrac_lower",
-    "actor/ppo_kl",
-)
 
 
 class AsyncRolloutDumper(RolloutDumper):

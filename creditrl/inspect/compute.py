@@ -24,6 +24,7 @@ from creditrl.core import (
     log_ratio,
 )
 from creditrl.inspect.view import TokenView
+from creditrl.workers.actor import policy_loss_config
 
 __all__ = ["Settings", "derive", "rewards_from_scores", "run_estimator", "to_views"]
 
@@ -65,14 +66,7 @@ class Settings:
             kl_estimator=estimator,
             beta=coef if beta is None else float(beta),
             policy_loss=actor.policy_loss,
-            clip=PolicyLossConfig(
-                clip_ratio=actor.clip_ratio,
-                clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c,
-                tau_pos=actor.tau_pos,
-                tau_neg=actor.tau_neg,
-            ),
+            clip=policy_loss_config(actor),
             temperature=cfg.rollout.temperature,
         )
 

@@ -48,6 +48,7 @@ __all__ = [
     "eos_token_ids_of",
     "preallocated_cache",
     "prompt_keys",
+    "sampling_params_of",
     "weight_major_linears",
 ]
 
@@ -275,17 +276,8 @@ class HFRolloutEngine:
     def sampling_params(
         self, *, greedy: bool = False, temperature: float | None = None
     ) -> SamplingParams:
-        """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
-        temperature = self.cfg.temperature if temperature is None else float(temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        return SamplingParams(
-            temperature=temperature,
-            top_k=self.cfg.top_k,
-            top_p=self.cfg.top_p,
-            max_new_tokens=self.cfg.max_response_length,
-            greedy=greedy or temperature == 0,
-        )
+        """See ``sampling_params_of``."""
+        return sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
 
     def generate(
         self,
@@ -447,6 +439,22 @@ class HFRolloutEngine:
         tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
         tensors.update({k: v.to(device) for k, v in fields.items()})
         return Batch(tensors, prompts.non_tensors, prompts.meta)
+
+
+def sampling_params_of(
+    cfg: RolloutConfig, *, greedy: bool = False, temperature: float | None = None
+) -> SamplingParams:
+    """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
+    temperature = cfg.temperature if temperature is None else float(temperature)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_response_length,
+        greedy=greedy or temperature == 0,
+    )
 
 
 def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:

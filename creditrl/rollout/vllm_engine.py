@@ -55,7 +55,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
-from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of
+from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of, sampling_params_of
 
 __all__ = [
     "LOGPROBS_MODE",
@@ -423,17 +423,8 @@ class VLLMRolloutEngine:
     def sampling_params(
         self, *, greedy: bool = False, temperature: float | None = None
     ) -> SamplingParams:
-        """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
-        temperature = self.cfg.temperature if temperature is None else float(temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        return SamplingParams(
-            temperature=temperature,
-            top_k=self.cfg.top_k,
-            top_p=self.cfg.top_p,
-            max_new_tokens=self.cfg.max_response_length,
-            greedy=greedy or temperature == 0,
-        )
+        """See ``creditrl.rollout.hf_engine.sampling_params_of``."""
+        return sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
 
     def generate(
         self,

@@ -22,7 +22,19 @@ from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_policy_forward
 
-__all__ = ["ActorWorker"]
+__all__ = ["ActorWorker", "policy_loss_config"]
+
+
+def policy_loss_config(cfg: ActorConfig) -> PolicyLossConfig:
+    """The clip and SAPO settings of the actor's policy loss."""
+    return PolicyLossConfig(
+        clip_ratio=cfg.clip_ratio,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
+    )
 
 
 class ActorWorker:
@@ -53,14 +65,7 @@ class ActorWorker:
                 list(model.parameters()), cfg.optim, total_optimizer_steps
             )
         self.generator = torch.Generator().manual_seed(seed)
-        self.loss_cfg = PolicyLossConfig(
-            clip_ratio=cfg.clip_ratio,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            tau_pos=cfg.tau_pos,
-            tau_neg=cfg.tau_neg,
-        )
+        self.loss_cfg = policy_loss_config(cfg)
         get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
         if cfg.autocast not in ("none", "bf16"):
             raise ValueError(f"actor.autocast must be 'none' or 'bf16', got {cfg.autocast!r}")

@@ -102,6 +102,15 @@ class HybridWorker:
             return section, self.n
         return _per_rank(section, self.n, self.world, what), 1
 
+    def _shard(self, model: torch.nn.Module) -> None:
+        trainer = self.cfg.trainer
+        shard_model(
+            model,
+            trainer.strategy,
+            cpu_offload=trainer.fsdp_cpu_offload,
+            param_dtype=trainer.fsdp_param_dtype,
+        )
+
     def _build_actor(self) -> None:
         cfg = self.cfg
         policy = load_causal_lm(self.model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
@@ -119,12 +128,7 @@ class HybridWorker:
         rollout_model = policy
         if sharded and not self.uses_vllm:
             rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
-        shard_model(
-            policy,
-            cfg.trainer.strategy,
-            cpu_offload=cfg.trainer.fsdp_cpu_offload,
-            param_dtype=cfg.trainer.fsdp_param_dtype,
-        )
+        self._shard(policy)
         actor_cfg, self.actor_n = self._actor_cfg(cfg.actor, "actor")
         self.actor = ActorWorker(
             policy,
@@ -157,12 +161,7 @@ class HybridWorker:
         cfg = self.cfg
         path = resolve_model_path(cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir)
         model = CriticModel.from_actor(path, cfg.model.dtype)
-        shard_model(
-            model,
-            cfg.trainer.strategy,
-            cpu_offload=cfg.trainer.fsdp_cpu_offload,
-            param_dtype=cfg.trainer.fsdp_param_dtype,
-        )
+        self._shard(model)
         critic_cfg, self.critic_n = self._actor_cfg(cfg.critic, "critic")
         self.critic = CriticWorker(
             model,

@@ -1,0 +1,32 @@
+"""Fixtures shared by the rollout-engine tests (HF and vLLM): the real tokenizer and a tiny
+random Llama whose logits are spread enough (initializer_range 0.2) for sampling to vary."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from creditrl.models.tiny import tiny_model_dir
+from creditrl.models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().eval()
