@@ -14,15 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from creditrl.config.schema import Config
+from creditrl.errors import ConfigError
 
 __all__ = ["PRESETS", "ConfigError", "all_keys", "load_config", "to_dict"]
 
 PRESET_DIR = Path(__file__).parent / "presets"
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-class ConfigError(ValueError):
-    """A config key or value the schema does not accept."""
 
 
 def all_keys(node: Any = None, prefix: str = "") -> list[str]:

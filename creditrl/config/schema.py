@@ -85,6 +85,7 @@ class RewardConfig:
     num_workers: int = 2
     timeout_s: float = 10.0  # per sample
     fallback_score: float = 0.0  # on exception, timeout or NaN
+    max_failure_rate: float = 0.5  # a step with a larger share of failed samples stops the run
     async_reward: bool = False  # overlap scoring with the log-prob passes
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
@@ -241,6 +242,7 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     rollout_dump_rows: int = 4  # rows per step whose per-token tensors are dumped
     resume: str = "auto"  # auto | never
+    overwrite: bool = False  # with resume=never: allow a directory that holds a previous run
     max_checkpoints: int = 2
     num_threads: int = 0  # torch threads; 0: torch's default
 
@@ -275,6 +277,8 @@ class AsyncConfig:
     allow_insecure: bool = False  # bind a non-loopback host without CURVE
     ping_s: float = 5.0  # a waiting sampler pings the learner this often
     data_timeout_s: float = 600.0  # the learner fails when no episode arrives for this long
+    max_message_mb: float = 0.0  # libzmq's maximum message size; 0: sized for the batch
+    max_rejects: int = 16  # a sampler whose groups are rejected this often is disconnected
     sampler_threads: int = 0  # torch threads per sampler; 0: trainer.num_threads
     learner_threads: int = 0  # torch threads per learner rank; 0: trainer.num_threads
 
