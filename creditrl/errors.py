@@ -5,7 +5,7 @@ The CLI prints a ``UserError`` as that one line and exits with code 2, without a
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "UserCodeError", "UserError"]
+__all__ = ["ConfigError", "DataError", "NothingToLearnError", "UserCodeError", "UserError"]
 
 
 class UserError(ValueError):
@@ -22,3 +22,7 @@ class DataError(UserError):
 
 class UserCodeError(UserError):
     """User code named by the config (``file.py:name``) that is missing or has the wrong shape."""
+
+
+class NothingToLearnError(UserError):
+    """The run cannot produce a learning signal as configured (e.g. no group's scores vary)."""

@@ -34,13 +34,35 @@ def test_masked_whiten_zero_mean_unit_unbiased_variance() -> None:
     assert masked_mean(kept, m).item() == pytest.approx(masked_mean(x, m).item())
 
 
-@pytest.mark.parametrize("n_valid", [0, 1])
-def test_masked_whiten_needs_two_valid_tokens(n_valid: int) -> None:
-    x = torch.randn(2, 3, dtype=DTYPE)
+def test_masked_whiten_with_one_valid_token_is_centred_only() -> None:
+    """Pins the defined result for n = 1 (it used to raise inside a training step): the one
+    valid entry becomes x - mean = 0, others are x - mean too (callers multiply by the mask);
+    shift_mean=False returns the values unchanged."""
+    x = torch.tensor([[0.5, 2.0, -1.0], [3.0, 4.0, 5.0]], dtype=DTYPE)
     m = torch.zeros(2, 3, dtype=DTYPE)
-    m.view(-1)[:n_valid] = 1.0
-    with pytest.raises(ValueError, match="at least 2"):
-        masked_whiten(x, m)
+    m[0, 1] = 1.0
+    torch.testing.assert_close(masked_whiten(x, m), x - 2.0)
+    torch.testing.assert_close(masked_whiten(x, m, shift_mean=False), x)
+
+
+def test_masked_whiten_with_no_valid_token_returns_the_values() -> None:
+    """n = 0: nothing to centre by; the values come back unchanged (a copy unless inplace)."""
+    x = torch.randn(2, 3, dtype=DTYPE)
+    out = masked_whiten(x, torch.zeros(2, 3, dtype=DTYPE))
+    torch.testing.assert_close(out, x)
+    assert out is not x
+
+
+def test_reinforce_plus_plus_trains_on_one_token_responses() -> None:
+    """A batch whose only policy token is one EOS used to raise in masked_whiten; now the
+    advantage there is 0 (centred only) and the return is the reward."""
+    from creditrl.core import compute_advantage
+
+    rewards = torch.tensor([[1.0, 0.0]], dtype=DTYPE)
+    mask = torch.tensor([[1.0, 0.0]], dtype=DTYPE)
+    adv, ret = compute_advantage("reinforce_plus_plus", rewards, mask, ["u"])
+    torch.testing.assert_close(adv, torch.zeros_like(adv))
+    torch.testing.assert_close(ret, rewards)
 
 
 LOSS_MAT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], dtype=DTYPE)

@@ -371,10 +371,11 @@ class Learner:
                 self.ref_log_probs(batch)
         with Timer("adv", timing):
             max_length = self.cfg.rollout.max_response_length
-            metrics.update(stages.apply_overlong_penalty(batch, self.algorithm, max_length))
             metrics.update(stages.kl_into_rewards(batch, self.algorithm, self.kl_ctrl.value))
             if "actor/reward_kl_penalty" in metrics:
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+            metrics.update(stages.apply_overlong_penalty(batch, self.algorithm, max_length))
+            metrics.update(stages.rollout_mismatch_metrics(batch))
             metrics.update(stages.rollout_is_weights(batch, self.algorithm))
             stages.compute_advantages(batch, self.algorithm)
         with Timer("update_actor", timing):

@@ -136,6 +136,18 @@ _SPECS = [
         "core: rollout importance weights",
     ),
     FieldSpec(
+        "loss_mask", "(B, T)", "int64",
+        "response_mask without the tokens and sequences rollout correction rejects (mode=mask, "
+        "veto); the actor's losses aggregate over it. Absent when nothing can be rejected. "
+        "Never replaces response_mask, which defines the trajectory",
+        "core: rollout importance weights",
+    ),
+    FieldSpec(
+        "traj_id", "(B,)", "object[str]",
+        "'<uid>/<k>': stable id of the trajectory, k its place among its prompt's samples",
+        "trainer (after repeat)",
+    ),
+    FieldSpec(
         "sample_seed", "(B,)", "int64",
         "per-trajectory sampling seed: the rollout draws this row's uniforms from it, so the "
         "tokens do not depend on how rows are split over micro-batches or workers",

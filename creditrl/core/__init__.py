@@ -55,6 +55,7 @@ from creditrl.core.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
     compute_mismatch_metrics,
+    compute_rollout_corr_metrics,
     compute_rollout_importance_weights,
 )
 from creditrl.core.value_loss import compute_value_loss
@@ -89,6 +90,7 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_corr_metrics",
     "compute_rollout_importance_weights",
     "compute_value_loss",
     "entropy_from_logits",

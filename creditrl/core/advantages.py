@@ -216,6 +216,7 @@ def compute_grpo_multiturn_advantage(
     *,
     turn_scores: torch.Tensor | None = None,
     global_scores: torch.Tensor | None = None,
+    token_level_scores: torch.Tensor | None = None,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
     **_: Any,
@@ -223,18 +224,31 @@ def compute_grpo_multiturn_advantage(
     """Multi-turn GRPO (spec 001): the turn part and the global part of the structured reward
     are normalised separately within each group g, then added:
 
-        A_it = z_g(T)_i + z_g(G)_i  on every valid token,
+        A_it = z_g(T)_i + z_g(G')_i  on every valid token,
         z_g(x)_i = (x_i - mean_g x) / (std_g x + eps)
 
-    with T_i = mean over turns of sample i's turn rewards (``turn_scores``, (B,)) and G_i = its
-    counted global reward sum (``global_scores``, (B,)), as the structured reward manager
-    writes them; std unbiased, no division when ``norm_adv_by_std_in_grpo`` is False. A part
-    that does not vary in a group contributes 0; a group of one gets 0. Without the two parts
-    (an unstructured reward), T = 0 and G_i = sum_t r_it m_it, which is GRPO. Returns equal
-    advantages."""
+    with T_i = mean over turns of sample i's turn rewards (``turn_scores``, (B,)) and
+    G'_i = G_i + e_i, where G_i is its counted global reward sum (``global_scores``, (B,)), as
+    the structured reward manager writes them, and
+
+        e_i = sum_t (r_it - s_it) m_it
+
+    the per-token reward terms the trainer added on top of the task's scores s
+    (``token_level_scores``) to make the rewards r (``token_level_rewards``): -beta kl_t when KL
+    is in the reward, DAPO's overlong penalty. They are sequence-level sums, like the global
+    part, so they join it (as GRPO sums them into its outcome score); e_i = 0 when r = s, and
+    then this is spec 001's estimator exactly. std unbiased, no division when
+    ``norm_adv_by_std_in_grpo`` is False. A part that does not vary in a group contributes 0; a
+    group of one gets 0. Without the two parts (an unstructured reward), T = 0 and
+    G'_i = sum_t r_it m_it, which is GRPO. Returns equal advantages."""
     if turn_scores is None or global_scores is None:
         turn_scores = torch.zeros(token_level_rewards.shape[0])
         global_scores = _outcome_scores(token_level_rewards, response_mask)
+    elif token_level_scores is not None:
+        extra = _outcome_scores(
+            token_level_rewards.double() - token_level_scores.double(), response_mask
+        )
+        global_scores = global_scores.to(torch.float64).reshape(-1) + extra.cpu()
     gid, n_groups = _group_ids(index, token_level_rewards.shape[0], "grpo_multiturn")
     adv = torch.zeros(token_level_rewards.shape[0], dtype=torch.float64)
     for part in (turn_scores, global_scores):

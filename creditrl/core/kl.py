@@ -53,40 +53,20 @@ def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.
     return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
 
 
-@KL_ESTIMATORS.register("full")
-def _full(
-    logprob: torch.Tensor,
-    ref_logprob: torch.Tensor,
-    *,
-    logits: torch.Tensor | None = None,
-    ref_logits: torch.Tensor | None = None,
-    **_: object,
-) -> torch.Tensor:
-    """KL(pi(.|s_t) || pi_ref(.|s_t)) = sum_v p_v (log p_v - log q_v), from logits (B, T, V)."""
-    if logits is None or ref_logits is None:
-        raise ValueError("kl_penalty='full' needs logits and ref_logits of shape (B, T, V)")
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    logq = torch.log_softmax(ref_logits.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1).to(logprob.dtype)
-
-
 def kl_penalty(
     logprob: torch.Tensor,
     ref_logprob: torch.Tensor,
     kl_penalty: str = "k1",
-    *,
-    logits: torch.Tensor | None = None,
-    ref_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL estimate kl_t (B, T) by estimator name (verl's ``kl_penalty``).
 
-    Names: ``k1``/``kl``, ``abs``, ``k2``/``mse``, ``k3``/``low_var_kl``, ``full``. A trailing
+    Names: ``k1``/``kl``, ``abs``, ``k2``/``mse``, ``k3``/``low_var_kl``. A trailing
     ``+`` (``k1+``, ``k3+``, ...) is the straight-through variant: its value is the named
     estimator's, its gradient is k2's: k2 + sg(named - k2). Masking is the caller's.
     """
     straight_through = kl_penalty.endswith("+")
     name = kl_penalty[:-1] if straight_through else kl_penalty
-    value = KL_ESTIMATORS.get(name)(logprob, ref_logprob, logits=logits, ref_logits=ref_logits)
+    value = KL_ESTIMATORS.get(name)(logprob, ref_logprob)
     if not straight_through:
         return value
     k2 = _k2(logprob, ref_logprob)

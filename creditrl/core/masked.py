@@ -65,24 +65,29 @@ def masked_whiten(
     mean and var are taken over entries with mask 1 only (two passes, block sums in float64). With
     ``shift_mean=False`` the mean is added back: (x - mean) * rsqrt(var + eps) + mean.
     Entries where mask is 0 are returned as computed (callers multiply by the mask).
-    ``inplace=True`` overwrites ``values``. Raises ValueError with fewer than two valid entries.
+    ``inplace=True`` overwrites ``values``.
+
+    With fewer than two valid entries there is no spread to divide by, and the result is
+    defined as centred only: n = 1 gives x - mean (0 at the one valid entry; with
+    ``shift_mean=False`` the entries are returned unchanged), n = 0 returns the values
+    unchanged. So a batch whose responses hold a single policy token between them trains with
+    advantage 0 there instead of failing.
     """
     x2, m2 = values.reshape(-1, values.shape[-1]), mask.reshape(-1, values.shape[-1])
     blocks = [
         (x2[b].reshape(-1), m2[b].reshape(-1).to(values.dtype)) for b in row_blocks(*x2.shape)
     ]
     n = sum(float(m.sum()) for _, m in blocks)
-    if n < 2:
-        raise ValueError(
-            f"masked_whiten needs at least 2 valid tokens, got {int(n)}: "
-            "a single token has no spread to normalise by"
-        )
+    out = values if inplace else values.clone()
+    if n < 1:
+        return out
     mean = sum(float(torch.dot(x, m)) for x, m in blocks) / n
+    if n < 2:
+        return out.sub_(mean) if shift_mean else out
     sq = 0.0
     for x, m in blocks:
         centred = x - mean
         sq += float(torch.dot(centred * m, centred))
     rstd = 1.0 / math.sqrt(sq / (n - 1) + eps)
-    out = values if inplace else values.clone()
     out.sub_(mean).mul_(rstd)
     return out if shift_mean else out.add_(mean)

@@ -33,6 +33,7 @@ __all__ = [
     "ROLLOUT_IS_MODES",
     "SAFETY_BOUND",
     "compute_mismatch_metrics",
+    "compute_rollout_corr_metrics",
     "compute_rollout_importance_weights",
 ]
 
@@ -123,6 +124,44 @@ def compute_mismatch_metrics(
         return _to_floats(_mismatch_stats(old, rollout, valid))
 
 
+def compute_rollout_corr_metrics(
+    train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the sampler's log-probs are from the trainer's, logged whether or not rollout IS
+    is on (keys ``rollout_corr/*``; empty when no token is valid).
+
+    ``train_log_prob`` is the training forward's log pi_train(y_t | s_t) on the same weights
+    that sampled (``old_log_probs`` when recomputed, else the update's first mini-batch
+    forward); with delta as in the module docstring (train - rollout) and the notation of
+    ``compute_mismatch_metrics``:
+
+    - ``rollout_corr/k1_kl``, ``rollout_corr/k3_kl``: that function's ``mismatch_kl`` and
+      ``mismatch_k3_kl`` (estimates of KL(pi_rollout || pi_train));
+    - ``rollout_corr/log_ppl_diff`` = mean_S (lbar^roll_i - lbar^train_i) and
+      ``rollout_corr/log_ppl_abs_diff`` = mean_S |lbar^roll_i - lbar^train_i|;
+    - ``rollout_corr/max_abs_logp_diff`` = max over valid (i, t) of |delta_{i,t}|;
+    - ``rollout_corr/training_ppl``, ``rollout_corr/rollout_ppl``: per-sequence perplexities
+      averaged over S.
+
+    All 0 when sampler and trainer agree exactly.
+    """
+    if not bool(response_mask.bool().any()):
+        return {}
+    with torch.no_grad():
+        old, rollout, valid = _prepare(train_log_prob, rollout_log_prob, response_mask)
+        stats = _mismatch_stats(old, rollout, valid)
+        picked = {
+            "k1_kl": stats["mismatch_kl"],
+            "k3_kl": stats["mismatch_k3_kl"],
+            "log_ppl_diff": stats["mismatch_log_ppl_diff"],
+            "log_ppl_abs_diff": stats["mismatch_log_ppl_abs_diff"],
+            "max_abs_logp_diff": (old - rollout).abs().masked_fill(~valid, 0.0).max(),
+            "training_ppl": stats["mismatch_training_ppl"],
+            "rollout_ppl": stats["mismatch_rollout_ppl"],
+        }
+        return {f"rollout_corr/{k}": v for k, v in _to_floats(picked).items()}
+
+
 def _weight_stats(
     raw: torch.Tensor,
     log_w: torch.Tensor,
@@ -195,9 +234,11 @@ def compute_rollout_importance_weights(
     Veto (any mode, if ``rollout_is_veto_threshold`` V is set): sequence i is rejected
     (mask 0 on all of its tokens) if some valid t has delta_{i,t} < log V (unclamped).
 
-    Returns ``(weights, modified_response_mask, metrics)``:
+    Returns ``(weights, loss_mask, metrics)``:
     ``weights`` (B, T) = w_{i,t} m_{i,t}, detached, dtype max(input, float32);
-    ``modified_response_mask`` = response_mask * keep * (1 - vetoed_i), in response_mask's dtype;
+    ``loss_mask`` = response_mask * keep * (1 - vetoed_i), in response_mask's dtype: the tokens
+    the policy loss may use. It is a separate mask for the losses only; it must never replace
+    ``response_mask``, which defines the trajectory (scores, KL, advantages, returns);
     ``metrics``: floats under ``mismatch/``, verl's names:
 
     - ``rollout_is_mean`` (token mean of rho), ``_max``, ``_min`` (token level: over valid tokens;
@@ -277,9 +318,9 @@ def compute_rollout_importance_weights(
         stats["rollout_is_catastrophic_token_fraction"] = masked_mean(catastrophic.to(m.dtype), m)
 
         keep = keep & valid & ~vetoed
-        modified_response_mask = response_mask.detach() * keep.to(response_mask.dtype)
+        loss_mask = response_mask.detach() * keep.to(response_mask.dtype)
         weights = torch.where(valid, weights, torch.zeros_like(weights))
 
         stats.update(_mismatch_stats(old, rollout, valid))
         metrics = {f"mismatch/{k}": v for k, v in _to_floats(stats).items()}
-    return weights, modified_response_mask, metrics
+    return weights, loss_mask, metrics

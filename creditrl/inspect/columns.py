@@ -63,6 +63,9 @@ _ALL = [
            "the raw A)"),
     Column("is_weight", "w_t", "float", "rollout_is_weights: truncated importance weight "
            "π_old / π_rollout of y_t"),
+    Column("loss_mask", "loss", "int", "loss_mask: 1 where the actor's losses use y_t; 0 where "
+           "rollout correction rejected the token or vetoed the sequence (its advantage and "
+           "return are unchanged)"),
     Column("log_prob", "logp_θ", "float", "log π_θ(y_t | s_t): the policy being updated"),
     Column("ratio", "ratio", "float", "ρ_t = π_θ(y_t | s_t) / π_old(y_t | s_t) = "
            "exp(logp_θ - logp_old)"),

@@ -41,8 +41,9 @@ DUMP_FIELDS = {
     "advantages": "advantage",
     "returns": "return",
     "rollout_is_weights": "is_weight",
+    "loss_mask": "loss_mask",
 }
-_INT_COLUMNS = ("mask", "turn")
+_INT_COLUMNS = ("mask", "turn", "loss_mask")
 
 
 def dumped_steps(run_dir: Path) -> list[int]:

@@ -59,9 +59,11 @@ def _scores(
         scores = torch.full((len(batch),), float(score), dtype=torch.float64)
         return place_sequence_scores(scores, mask), [f"score {score} given (--score)"] * len(batch)
     if ground_truth is None:
-        raise ValueError(
-            "explain needs --ground-truth (scored by the data_source's scorer) or --score"
+        scores = torch.zeros(len(batch), dtype=torch.float64)
+        note = (
+            "score 0: no --ground-truth or --score given (log-probs, KL and values do not need one)"
         )
+        return place_sequence_scores(scores, mask), [note] * len(batch)
     source = data_source or (f"reasoning_gym/{cfg.data.task}" if cfg.data.task else None)
     if source is None:
         raise ValueError("explain needs --data-source to pick a scorer (no data.task is set)")

@@ -2,7 +2,7 @@
 
 ``output_dir/rollouts/step_{step:06d}.jsonl`` holds one JSON object per sample::
 
-    {"step", "row", "uid", "data_source", "ground_truth", "prompt", "response",
+    {"step", "row", "uid", "traj_id", "data_source", "ground_truth", "prompt", "response",
      "response_length", "score", "reward_extra": {...}, "per_token": {...}}
 
 ``prompt`` / ``response`` are decoded for humans only (training never re-encodes them).
@@ -43,6 +43,7 @@ PER_TOKEN_FIELDS = (
     "advantages",
     "returns",
     "rollout_is_weights",
+    "loss_mask",
 )
 
 
@@ -117,7 +118,10 @@ class RolloutDumper:
             row: dict[str, Any] = {
                 "step": step,
                 "row": i,
-                **{k: self._column(batch, k, i) for k in ("uid", "data_source", "ground_truth")},
+                **{
+                    k: self._column(batch, k, i)
+                    for k in ("uid", "traj_id", "data_source", "ground_truth")
+                },
                 "prompt": self._decode(prompt_ids),
                 "response": self._decode(response_ids),
                 "response_length": length,

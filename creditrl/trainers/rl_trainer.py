@@ -24,6 +24,7 @@ from creditrl.config.loader import save_resolved_config, to_dict
 from creditrl.controller import build_worker_group
 from creditrl.core import get_kl_controller
 from creditrl.data import ResumableSampler, build_datasets, collate_prompts
+from creditrl.errors import NothingToLearnError
 from creditrl.models import load_tokenizer, resolve_model_path
 from creditrl.rewards import RewardManager
 from creditrl.tracking import (
@@ -222,8 +223,12 @@ class RLTrainer:
         batch = Batch.concat(kept)[:wanted] if kept else batch
         metrics["dapo/kept_fraction"] = len(batch) / wanted
         if len(batch) == 0:
-            raise RuntimeError(
-                "DAPO filter kept no group with varied scores; raise max_num_gen_batches"
+            raise NothingToLearnError(
+                f"algorithm.filter_groups: no group's scores varied in "
+                f"max_num_gen_batches={filter_cfg.max_num_gen_batches} generation batches "
+                "(every sample of a prompt scored the same), so there is nothing to learn from; "
+                "raise algorithm.filter_groups.max_num_gen_batches or rollout.n, sample more "
+                "diversely (rollout.temperature), or use an easier task"
             )
         return batch, None, metrics
 
@@ -270,12 +275,13 @@ class RLTrainer:
             with Timer("values", timing):
                 stages.merge(batch, self.workers.compute_values(batch))
         with Timer("adv", timing):
-            metrics.update(
-                stages.apply_overlong_penalty(batch, cfg.algorithm, cfg.rollout.max_response_length)
-            )
             metrics.update(stages.kl_into_rewards(batch, cfg.algorithm, self.kl_ctrl.value))
             if "actor/reward_kl_penalty" in metrics:
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+            metrics.update(
+                stages.apply_overlong_penalty(batch, cfg.algorithm, cfg.rollout.max_response_length)
+            )
+            metrics.update(stages.rollout_mismatch_metrics(batch))
             metrics.update(stages.rollout_is_weights(batch, cfg.algorithm))
             stages.compute_advantages(batch, cfg.algorithm)
         if self.use_critic:

@@ -13,7 +13,9 @@ from creditrl.config import AlgorithmConfig
 from creditrl.core import (
     apply_kl_penalty,
     compute_advantage,
+    compute_rollout_corr_metrics,
     compute_rollout_importance_weights,
+    last_valid_index,
 )
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "kl_into_rewards",
     "merge",
     "rollout_is_weights",
+    "rollout_mismatch_metrics",
     "varied_groups",
 ]
 
@@ -35,8 +38,18 @@ def add_uids(batch: Batch, rng: np.random.Generator) -> Batch:
 
 
 def add_sample_seeds(batch: Batch, rng: np.random.Generator) -> Batch:
-    """One ``sample_seed`` per trajectory, drawn from ``rng`` (checkpointed with the run)."""
+    """One ``sample_seed`` per trajectory, drawn from ``rng`` (checkpointed with the run), and
+    a stable ``traj_id`` = ``<uid>/<k>``, k the trajectory's place among its prompt's samples
+    (rows sharing a uid, in the order of the repeat); it stays with the row through filtering
+    and balancing, so a dumped row can be joined to its group and to the explain view."""
     batch["sample_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=len(batch)))
+    seen: dict[str, int] = {}
+    ids = []
+    for uid in batch["uid"]:
+        k = seen.get(str(uid), 0)
+        seen[str(uid)] = k + 1
+        ids.append(f"{uid}/{k}")
+    batch["traj_id"] = ids
     return batch
 
 
@@ -53,17 +66,20 @@ def merge(batch: Batch, new: Batch) -> Batch:
 def apply_overlong_penalty(
     batch: Batch, cfg: AlgorithmConfig, max_response_length: int
 ) -> dict[str, float]:
-    """DAPO overlong shaping: responses longer than L_max - L_buf lose
-    penalty_factor * (len - (L_max - L_buf)) / L_buf on their last token's score."""
+    """DAPO overlong shaping, a per-token reward term: responses longer than L_max - L_buf get
+    -penalty_factor * (len - (L_max - L_buf)) / L_buf added to ``token_level_rewards`` at
+    their last valid token. ``token_level_scores`` (the task's score) is left as it is; run
+    after ``kl_into_rewards``."""
     if not cfg.overlong_buffer.enable:
         return {}
     buf = cfg.overlong_buffer
-    lengths = batch["response_mask"].sum(-1).float()
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1).float()
     expected = max_response_length - buf.len
     penalty = (-(lengths - expected) / buf.len * buf.penalty_factor).clamp(max=0.0)
-    scores = batch["token_level_scores"]
-    last = torch.where(batch["response_mask"].bool(), torch.arange(scores.shape[1]), -1).amax(-1)
-    scores[torch.arange(len(batch)), last] += penalty.to(scores.dtype)
+    rewards = batch["token_level_rewards"]
+    rows = torch.arange(len(batch))
+    rewards[rows, last_valid_index(mask)] += penalty.to(rewards.dtype)
     return {"reward/overlong_penalty_mean": float(penalty.mean())}
 
 
@@ -97,11 +113,14 @@ def kl_into_rewards(batch: Batch, cfg: AlgorithmConfig, kl_coef: float) -> dict[
 
 
 def rollout_is_weights(batch: Batch, cfg: AlgorithmConfig) -> dict[str, float]:
-    """Rollout/training mismatch weights (and rejection mask) when configured."""
+    """Rollout/training mismatch weights ``rollout_is_weights`` and, when the correction
+    rejects tokens or vetoes sequences, ``loss_mask`` (``response_mask`` without them), when
+    configured. Rejection acts in the losses only: ``response_mask``, the scores, rewards,
+    advantages and returns (which define the trajectory) are not touched."""
     if not cfg.rollout_is.enable or "rollout_log_probs" not in batch:
         return {}
     is_cfg = cfg.rollout_is
-    weights, mask, metrics = compute_rollout_importance_weights(
+    weights, loss_mask, metrics = compute_rollout_importance_weights(
         batch["old_log_probs"],
         batch["rollout_log_probs"],
         batch["response_mask"],
@@ -112,8 +131,23 @@ def rollout_is_weights(batch: Batch, cfg: AlgorithmConfig) -> dict[str, float]:
         rollout_is_veto_threshold=is_cfg.veto_threshold,
     )
     batch["rollout_is_weights"] = weights
-    batch["response_mask"] = mask.to(batch["response_mask"].dtype)
+    if is_cfg.mode == "mask" or is_cfg.veto_threshold is not None:
+        batch["loss_mask"] = loss_mask.to(batch["response_mask"].dtype)
     return metrics
+
+
+def rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """``rollout_corr/*`` (sampler vs trainer log-probs) whenever the batch holds rollout
+    log-probs and ``old_log_probs`` the trainer recomputed. When the old log-probs are the
+    rollout's own (equal tensors: nothing to compare here), the actor reports the same keys
+    from its first mini-batch's training forward instead."""
+    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+        return {}
+    if torch.equal(batch["old_log_probs"], batch["rollout_log_probs"]):
+        return {}
+    return compute_rollout_corr_metrics(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+    )
 
 
 def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
@@ -124,6 +158,7 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
         batch["response_mask"],
         batch.get("uid"),
         values=batch.get("values"),
+        token_level_scores=batch.get("token_level_scores"),
         reward_baselines=batch.get("reward_baselines"),
         turn_scores=batch.get("turn_scores"),
         global_scores=batch.get("global_scores"),

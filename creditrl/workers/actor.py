@@ -12,6 +12,7 @@ from creditrl.config import ActorConfig
 from creditrl.core import (
     PolicyLossConfig,
     agg_loss,
+    compute_rollout_corr_metrics,
     get_policy_loss,
     global_normalisers,
     kl_penalty,
@@ -130,34 +131,55 @@ class ActorWorker:
                 else torch.arange(len(batch))
             )
             for mini_idx in split_indices(order, mini_size):
-                step_metrics = self._optimizer_step(batch[mini_idx], loss_fn, temperature)
-                if not health:
+                first = not health
+                step_metrics = self._optimizer_step(batch[mini_idx], loss_fn, temperature, first)
+                if first:
                     health = {
                         "health/first_minibatch_ppo_kl": step_metrics["actor/ppo_kl"],
                         "health/first_minibatch_clipfrac": step_metrics["actor/pg_clipfrac"],
+                        **{
+                            k: step_metrics.pop(k)
+                            for k in list(step_metrics)
+                            if k.startswith("rollout_corr/")
+                        },
                     }
                 for key, value in step_metrics.items():
                     sums[key] += value
                 n_steps += 1
         return {**{key: value / max(n_steps, 1) for key, value in sums.items()}, **health}
 
-    def _optimizer_step(self, mini: Batch, loss_fn, temperature: float) -> dict[str, float]:
-        """One optimizer step over a mini-batch, accumulating micro-batch gradients."""
+    def _optimizer_step(
+        self, mini: Batch, loss_fn, temperature: float, first: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step over a mini-batch, accumulating micro-batch gradients. Losses use
+        ``loss_mask`` when rollout correction rejected tokens (else ``response_mask``). On the
+        ``first`` mini-batch, whose weights are the sampler's, the training forward is compared
+        with ``rollout_log_probs`` when the old log-probs are the rollout's own
+        (``rollout_corr/*``)."""
         cfg = self.cfg
-        mask = mini["response_mask"]
+        mask = mini["loss_mask"] if "loss_mask" in mini else mini["response_mask"]
+        compare = (
+            first
+            and "rollout_log_probs" in mini
+            and torch.equal(mini["old_log_probs"], mini["rollout_log_probs"])
+        )
+        forwards: list[torch.Tensor] = []
         norms = all_reduce_sum(global_normalisers(mask))
         agg = {**norms, "loss_scale_factor": cfg.loss_scale_factor}
         total_tokens = max(norms["global_num_tokens"], 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = defaultdict(float)
-        for idx in self._micro_batches(mini, cfg.ppo_micro_batch_size):
+        micro_indices = self._micro_batches(mini, cfg.ppo_micro_batch_size)
+        for idx in micro_indices:
             micro = mini[idx]
-            m = micro["response_mask"]
+            m = mask[idx]
             share = float(m.sum()) / total_tokens
             with self._autocast():
                 log_prob, entropy = self._forward(
                     self.model, micro, temperature, True, entropy_grad=cfg.entropy_coeff != 0
                 )
+            if compare:
+                forwards.append(log_prob.detach().float())
             weights = micro.get("rollout_is_weights", None)
             pg_loss, pg_metrics = loss_fn(
                 micro["old_log_probs"],
@@ -184,9 +206,17 @@ class ActorWorker:
             metrics["actor/pg_loss"] += float(pg_loss.detach())
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 metrics[f"actor/{key}"] += float(pg_metrics[key]) * share
+        if compare:
+            train_log_prob = restore_order(forwards, micro_indices)
+            metrics.update(
+                compute_rollout_corr_metrics(
+                    train_log_prob, mini["rollout_log_probs"], mini["response_mask"]
+                )
+            )
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         all_reduce_gradients(params)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        max_norm = math.inf if self.cfg.grad_clip is None else self.cfg.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
