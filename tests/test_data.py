@@ -26,6 +26,7 @@ from creditrl.data import (
     read_rows,
     score_rg_answer,
 )
+from creditrl.errors import DataError
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -162,10 +163,11 @@ def test_bad_jsonl_row_names_file_and_row(tmp_path, bad, message):
 
 
 def test_unsupported_or_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"unsupported data file type '\.csv'"):
+    """An unsupported suffix and a missing file are DataErrors naming the key and the file."""
+    with pytest.raises(DataError, match=r"unsupported data file type '\.csv'"):
         read_rows(tmp_path / "x.csv")
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
-        read_rows(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match=r"^data\.val_files: .*nope\.jsonl does not exist$"):
+        read_rows(tmp_path / "nope.jsonl", "data.val_files")
 
 
 # ---- PromptDataset ---------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def test_overlong_prompts_dropped_and_counted_or_raise(tokenizer):
         PromptDataset(rows, tokenizer, limit, overlong_prompt="raise")
     with pytest.raises(ValueError, match="overlong_prompt must be one of"):
         PromptDataset(rows, tokenizer, limit, overlong_prompt="truncate")
-    with pytest.raises(ValueError, match="no prompts left"):
+    with pytest.raises(DataError, match="all 1 prompts of train are longer than"):
         PromptDataset(rows[1:2], tokenizer, limit)
 
 

@@ -339,7 +339,7 @@ def test_dapo_without_varied_groups_stops_with_one_line(tmp_path: Path, monkeypa
 
     cfg = tiny_config(
         tmp_path, "preset=dapo", "algorithm.filter_groups.max_num_gen_batches=2",
-        "trainer.val_before_train=false",
+        "algorithm.overlong_buffer.len=4", "trainer.val_before_train=false",
     )  # fmt: skip
     monkeypatch.setattr(stages, "varied_groups", lambda b: np.zeros(len(b), dtype=bool))
     trainer = RLTrainer(cfg)
@@ -348,3 +348,18 @@ def test_dapo_without_varied_groups_stops_with_one_line(tmp_path: Path, monkeypa
     message = str(err.value)
     assert "\n" not in message and "max_num_gen_batches=2" in message
     assert "algorithm.filter_groups.max_num_gen_batches" in message
+
+
+def test_rollout_is_recomputes_old_log_probs(tmp_path: Path) -> None:
+    """With rollout IS on, the old log-probs are the trainer's own forward, not the sampler's
+    copied over (which made every weight exactly 1, a silent no-op)."""
+    from test_trainer import tiny_config
+
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = tiny_config(
+        tmp_path, "actor.use_rollout_log_probs=true", "algorithm.rollout_is.enable=true"
+    )
+    trainer = RLTrainer(cfg)
+    assert not trainer.reuse_rollout_log_probs
+    trainer.close()

@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RewardConfig, RewardModelConfig
+from creditrl.errors import UserCodeError
 from creditrl.rewards import pool, worker
 from creditrl.rewards.manager import RewardManager
 from creditrl.rewards.registry import (
@@ -229,9 +230,9 @@ def test_lookup_exact_then_prefix_and_unknown_error() -> None:
 def test_user_scorer_from_file(user_file: Path, tmp_path: Path) -> None:
     fn = get_scorer("whatever", f"{user_file}:other")
     assert fn("whatever", "text", 1) == 7
-    with pytest.raises(FileNotFoundError, match=r"missing\.py"):
+    with pytest.raises(UserCodeError, match=r"^reward\.scorer: .*missing\.py does not exist$"):
         get_scorer("x", f"{tmp_path}/missing.py:fn")
-    with pytest.raises(AttributeError, match=r"no function 'absent'.*\['dispatch', 'other'\]"):
+    with pytest.raises(UserCodeError, match=r"no function 'absent'.*\['dispatch', 'other'\]"):
         get_scorer("x", f"{user_file}:absent")
 
 

@@ -36,6 +36,7 @@ from creditrl.agents.task_rewards import (
 from creditrl.batch import Batch
 from creditrl.config.schema import AgentConfig, RewardConfig
 from creditrl.core import REWARD_DISTRIBUTIONS, structured_to_token_level, total_score
+from creditrl.rewards.failures import check_failure_rate
 from creditrl.rewards.manager import RewardResult
 from creditrl.rewards.registry import get_scorer
 from creditrl.rewards.text import decode_responses
@@ -234,6 +235,12 @@ class StructuredRewardManager:
             log.warning(
                 "%d structured reward failures; first: sample %d: %s", len(failures), *failures[0]
             )
+        sources = batch["data_source"]
+        check_failure_rate(
+            [f"sample {i} (data_source {str(sources[i])!r}): {e}" for i, e in failures],
+            len(errors),
+            self.cfg.max_failure_rate,
+        )
         metrics = {
             "reward/errors": float(len(failures)),
             "reward/score_mean": float(totals.mean()),

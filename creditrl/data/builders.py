@@ -9,10 +9,28 @@ from creditrl.config.schema import DataConfig
 from creditrl.data.dataset import PromptDataset
 from creditrl.data.rows import read_rows_from_files
 from creditrl.data.tasks import build_task_rows
+from creditrl.errors import ConfigError
 
-__all__ = ["build_datasets"]
+__all__ = ["build_datasets", "files_origin", "validation_notice"]
 
 logger = logging.getLogger(__name__)
+
+
+def files_origin(key: str, paths: list[str]) -> str:
+    """How errors name a set of data files: ``data.train_files [a.jsonl, b.jsonl]``."""
+    return f"{key} [{', '.join(paths)}]"
+
+
+def validation_notice(cfg: DataConfig) -> str | None:
+    """A line to show at start when this data config leaves validation off, else None."""
+    if cfg.train_files and not cfg.val_files:
+        return (
+            "data.val_files is empty: validation is off (no val/score); "
+            "set data.val_files to measure held-out reward"
+        )
+    if not cfg.train_files and cfg.task and cfg.val_size == 0:
+        return "data.val_size=0: validation is off (no val/score)"
+    return None
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
@@ -21,22 +39,27 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
     (``train_size`` rows; ``val_size`` validation rows, none when 0). ``val`` is None when
     there is no validation data."""
 
-    def dataset(rows: list, split: str) -> PromptDataset:
+    def dataset(rows: list, split: str, origin: str) -> PromptDataset:
         return PromptDataset(
-            rows, tokenizer, cfg.max_prompt_length, cfg.overlong_prompt, split=split
+            rows, tokenizer, cfg.max_prompt_length, cfg.overlong_prompt, split, origin
         )
 
     if cfg.train_files:
         if cfg.task:
             logger.info("data.train_files given: ignoring data.task=%r", cfg.task)
-        train = dataset(read_rows_from_files(cfg.train_files, cfg.system_prompt), "train")
-        val_rows = read_rows_from_files(cfg.val_files, cfg.system_prompt)
-        return train, dataset(val_rows, "val") if val_rows else None
+        key = "data.train_files"
+        train_rows = read_rows_from_files(cfg.train_files, cfg.system_prompt, key)
+        train = dataset(train_rows, "train", files_origin(key, cfg.train_files))
+        key = "data.val_files"
+        val_rows = read_rows_from_files(cfg.val_files, cfg.system_prompt, key)
+        val = dataset(val_rows, "val", files_origin(key, cfg.val_files)) if val_rows else None
+        return train, val
     if not cfg.task:
-        raise ValueError("no data: set data.task (a reasoning-gym name) or data.train_files")
+        raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
     rows = build_task_rows(
         cfg.task, cfg.task_kwargs, cfg.train_size, cfg.val_size, cfg.seed, cfg.system_prompt
     )
-    train = dataset(rows.train, "train")
+    train = dataset(rows.train, "train", f"data.task={cfg.task!r} (train)")
     train.num_dropped_overlap = rows.num_dropped_overlap
-    return train, dataset(rows.val, "val") if rows.val else None
+    val = dataset(rows.val, "val", f"data.task={cfg.task!r} (val)") if rows.val else None
+    return train, val

@@ -10,6 +10,8 @@ from typing import Any
 from creditrl.batch import Batch
 from creditrl.data.collate import collate_prompts
 from creditrl.data.rows import PromptRow
+from creditrl.errors import ConfigError, DataError
+from creditrl.usercode import one_line
 
 __all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids"]
 
@@ -37,8 +39,10 @@ class PromptDataset:
     ``index`` (position in this dataset) and ``source`` (file and row, for humans).
 
     Prompts longer than ``max_prompt_length`` tokens are dropped and counted
-    (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise ValueError
-    naming the row. ``num_dropped_overlap`` counts task rows dropped for repeating validation.
+    (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise DataError
+    naming the row; when every prompt is too long, DataError names ``origin`` (where the rows
+    came from, e.g. the files) and the shortest length. ``num_dropped_overlap`` counts task
+    rows dropped for repeating validation.
     """
 
     def __init__(
@@ -48,15 +52,19 @@ class PromptDataset:
         max_prompt_length: int,
         overlong_prompt: str = "drop",
         split: str = "train",
+        origin: str | None = None,
     ) -> None:
         if overlong_prompt not in OVERLONG_MODES:
-            raise ValueError(
-                f"overlong_prompt must be one of {OVERLONG_MODES}, got {overlong_prompt!r}"
+            raise ConfigError(
+                f"data.overlong_prompt must be one of {OVERLONG_MODES}, got {overlong_prompt!r}"
             )
         if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+            raise ConfigError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; prompts need one")
+            raise ConfigError(
+                "model.path: the tokenizer has no chat template; prompts need one "
+                "(use a chat/instruct model)"
+            )
         pad = tokenizer.pad_token_id
         self.pad_token_id: int = tokenizer.eos_token_id if pad is None else pad
         self.split = split
@@ -64,18 +72,23 @@ class PromptDataset:
         self.num_dropped_overlong = 0
         self.num_dropped_overlap = 0
         self._rows: list[dict[str, Any]] = []
+        shortest_overlong: int | None = None
         for row in rows:
             try:
                 ids = chat_prompt_ids(tokenizer, row.messages)
             except Exception as e:
-                raise ValueError(f"{row.source}: the chat template failed: {e}") from e
+                raise DataError(
+                    f"{row.source}: the chat template failed: {type(e).__name__}: {one_line(e)}"
+                ) from e
             if len(ids) > max_prompt_length:
                 if overlong_prompt == "raise":
-                    raise ValueError(
+                    raise DataError(
                         f"{row.source}: prompt has {len(ids)} tokens after the chat template, "
-                        f"more than max_prompt_length={max_prompt_length}"
+                        f"more than data.max_prompt_length={max_prompt_length} "
+                        "(data.overlong_prompt=raise); raise the limit or shorten the prompt"
                     )
                 self.num_dropped_overlong += 1
+                shortest_overlong = min(len(ids), shortest_overlong or len(ids))
                 continue
             self._rows.append(
                 {
@@ -96,8 +109,14 @@ class PromptDataset:
                 len(rows),
                 max_prompt_length,
             )
+        if not rows:
+            raise DataError(f"{origin or split}: no prompts")
         if not self._rows:
-            raise ValueError(f"{split}: no prompts left (of {len(rows)}) after dropping")
+            raise DataError(
+                f"all {len(rows)} prompts of {origin or split} are longer than "
+                f"data.max_prompt_length={max_prompt_length} tokens after the chat template "
+                f"(shortest: {shortest_overlong}); raise data.max_prompt_length"
+            )
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -5,6 +5,7 @@ A row holds ``prompt`` (text) or ``messages`` (a chat list of ``{"role", "conten
 (dict). verl-style rows are accepted too: ``prompt`` given as a chat list, ``extra_info`` for
 ``extra``, ``reward_model.ground_truth`` for ``ground_truth``. Other keys are ignored.
 Rows are numbered from 1; in a jsonl file the row number is the line number (blank lines skipped).
+Every problem is a one-line ``DataError`` naming the config key, the file and the row.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from creditrl.errors import DataError
+from creditrl.usercode import one_line
+
 __all__ = ["ROLES", "PromptRow", "RowError", "parse_row", "read_rows", "read_rows_from_files"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class RowError(ValueError):
+class RowError(DataError):
     """A data row that cannot be used; the message names the file and row."""
 
 
@@ -109,48 +113,72 @@ def parse_row(obj: Any, where: str) -> PromptRow:
     return PromptRow(messages, ground_truth, data_source, extra, where)
 
 
+def _decode(raw: bytes, where: str, first: bool) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowError(
+            f"{where} is not UTF-8: byte {e.start} of the line is {raw[e.start : e.start + 1]!r} "
+            f"({e.reason}); save the file as UTF-8"
+        ) from None
+    return text.removeprefix("\ufeff") if first else text
+
+
 def _read_jsonl(path: str) -> list[PromptRow]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"row {number} of {path}"
+            line = _decode(raw, where, number == 1)
             if not line.strip():
                 continue
-            where = f"row {number} of {path}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from e
+                raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from None
             rows.append(parse_row(obj, where))
     return rows
 
 
 def _read_parquet(path: str) -> list[PromptRow]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(
+            f"{path} is not a readable parquet file: {type(e).__name__}: {one_line(e)}"
+        ) from None
     return [parse_row(obj, f"row {i} of {path}") for i, obj in enumerate(table.to_pylist(), 1)]
 
 
 _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def read_rows(path: str | os.PathLike[str]) -> list[PromptRow]:
-    """All rows of one ``.jsonl`` or ``.parquet`` file, validated (RowError names the row)."""
+def read_rows(path: str | os.PathLike[str], key: str = "data file") -> list[PromptRow]:
+    """All rows of one ``.jsonl`` or ``.parquet`` file, validated; a DataError (RowError for
+    one row) names ``key`` or the file and row."""
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in _READERS:
-        raise ValueError(f"{path}: unsupported data file type {suffix!r}; use .jsonl or .parquet")
+        raise DataError(
+            f"{key}: {path}: unsupported data file type {suffix!r}; use .jsonl or .parquet"
+        )
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise DataError(f"{key}: {path} does not exist")
     rows = _READERS[suffix](path)
     if not rows:
-        raise ValueError(f"{path} has no rows")
+        raise DataError(f"{key}: {path} has no rows")
     return rows
 
 
-def read_rows_from_files(paths: list[str], system_prompt: str | None = None) -> list[PromptRow]:
-    """Rows of several files in order; ``system_prompt`` is prepended to rows without one."""
-    rows = [row for path in paths for row in read_rows(path)]
+def read_rows_from_files(
+    paths: list[str], system_prompt: str | None = None, key: str = "data file"
+) -> list[PromptRow]:
+    """Rows of several files in order; ``system_prompt`` is prepended to rows without one.
+    ``key`` (e.g. ``data.train_files``) names the files' config key in errors."""
+    rows = [row for path in paths for row in read_rows(path, key)]
     if system_prompt is not None:
         for row in rows:
             if row.messages[0]["role"] != "system":

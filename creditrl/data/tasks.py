@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from creditrl.data.rows import PromptRow
+from creditrl.errors import ConfigError
+from creditrl.usercode import one_line
 
 __all__ = [
     "ANSWER_INSTRUCTION",
@@ -63,13 +65,15 @@ def _generate(name: str, kwargs: dict[str, Any], size: int, seed: int) -> list[d
 
     reserved = sorted({"size", "seed"} & set(kwargs))
     if reserved:
-        raise ValueError(
+        raise ConfigError(
             f"data.task_kwargs must not set {reserved}; use data.train_size/val_size/seed"
         )
     try:
         dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
-    except (TypeError, ValueError, AssertionError) as e:
-        raise ValueError(f"reasoning-gym task {name!r} with kwargs {kwargs}: {e}") from e
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
+        raise ConfigError(
+            f"data.task={name!r} with data.task_kwargs={kwargs}: {type(e).__name__}: {one_line(e)}"
+        ) from e
     # default=str: metadata may hold non-JSON values (e.g. Fractions); tuples become lists.
     return [json.loads(json.dumps(entry, default=str)) for entry in dataset]
 
@@ -101,10 +105,12 @@ def build_task_rows(
     """Generate ``train_size`` train and ``val_size`` validation rows of task ``name``.
 
     Train uses ``seed``, validation ``seed + VAL_SEED_OFFSET``; train rows whose question is in
-    validation are dropped and counted (logged). ValueError if no train rows remain.
+    validation are dropped and counted (logged). ConfigError if no train rows remain.
     """
     if train_size < 1 or val_size < 0:
-        raise ValueError(f"need train_size >= 1 and val_size >= 0, got {train_size}, {val_size}")
+        raise ConfigError(
+            f"need data.train_size >= 1 and data.val_size >= 0, got {train_size}, {val_size}"
+        )
     kwargs = dict(kwargs or {})
     val_seed = seed + VAL_SEED_OFFSET
     val = _generate(name, kwargs, val_size, val_seed) if val_size else []
@@ -120,8 +126,8 @@ def build_task_rows(
             len(train),
         )
     if not kept:
-        raise ValueError(
-            f"task {name!r}: all {len(train)} train rows repeat validation questions; "
+        raise ConfigError(
+            f"data.task={name!r}: all {len(train)} train rows repeat validation questions; "
             "lower data.val_size or widen data.task_kwargs"
         )
     val_rows = _rows(name, list(enumerate(val)), val_seed, system_prompt)

@@ -3,9 +3,10 @@
 ``submit(batch)`` decodes the responses, queues one JSON request per sample on the scoring pool
 (and the reward model, if enabled, on a background thread) and returns a ``RewardFuture`` at
 once, so the trainer can overlap scoring with its log-prob passes. ``future.result()`` gives a
-``RewardResult``. Failures never stop training: a scorer that raises, runs past
-``cfg.timeout_s`` or returns NaN/inf gives ``cfg.fallback_score`` with its status and message
-recorded per sample and counted in the metrics.
+``RewardResult``. A scorer that raises, runs past ``cfg.timeout_s`` or returns NaN/inf gives
+``cfg.fallback_score`` with its status and message recorded per sample and counted in the
+metrics; when more than ``cfg.max_failure_rate`` of a batch fails, ``result()`` raises
+``ScoringError`` quoting the first failure instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from creditrl.batch import Batch
 from creditrl.config.schema import RewardConfig
 from creditrl.core import place_sequence_scores
+from creditrl.rewards.failures import check_failure_rate, check_max_failure_rate
 from creditrl.rewards.pool import ScoringJob, ScoringPool
 from creditrl.rewards.registry import portable_spec, scorer_spec
 from creditrl.rewards.text import decode_responses, prompt_messages
@@ -76,6 +78,8 @@ class _Pending:
     job: ScoringJob
     response_mask: torch.Tensor
     fallback: float
+    max_failure_rate: float = 1.0
+    scorers: list[tuple[str, str]] = field(default_factory=list)  # (scorer, data_source)
     rm_mode: str | None = None
     rm_thread: threading.Thread | None = None
     rm_out: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +97,8 @@ class RewardFuture:
         return p.job.done() and (p.rm_thread is None or not p.rm_thread.is_alive())
 
     def result(self, timeout: float | None = None) -> RewardResult:
-        """The RewardResult; TimeoutError if not done within ``timeout`` seconds."""
+        """The RewardResult; TimeoutError if not done within ``timeout`` seconds; ScoringError
+        if more than ``max_failure_rate`` of the samples failed to score."""
         if self._result is None:
             p = self._pending
             if not p.job.wait(timeout):
@@ -146,6 +151,7 @@ class RewardManager:
 
     def __init__(self, cfg: RewardConfig, tokenizer: Any, reward_model: Any | None = None) -> None:
         rm_cfg = cfg.reward_model
+        check_max_failure_rate(cfg.max_failure_rate)
         if rm_cfg.enable and rm_cfg.mode not in RM_MODES:
             raise ValueError(
                 f"reward.reward_model.mode must be one of {RM_MODES}, got {rm_cfg.mode!r}"
@@ -169,9 +175,11 @@ class RewardManager:
         """
         texts = decode_responses(batch, self.tokenizer)
         mask = batch["response_mask"].detach().cpu().clone()
-        pending = _Pending(ScoringJob(0), mask, float(self.cfg.fallback_score))
+        pending = _Pending(
+            ScoringJob(0), mask, float(self.cfg.fallback_score), self.cfg.max_failure_rate
+        )
         if self.pool is not None:
-            pending.job = self._queue_rules(batch, texts)
+            pending.job = self._queue_rules(batch, texts, pending.scorers)
         if self.reward_model is not None:
             pending.rm_mode = self.cfg.reward_model.mode
             pending.rm_thread = self._start_rm(batch, texts, pending)
@@ -181,7 +189,9 @@ class RewardManager:
         """``submit(batch).result()``."""
         return self.submit(batch).result()
 
-    def _queue_rules(self, batch: Batch, texts: list[str]) -> ScoringJob:
+    def _queue_rules(
+        self, batch: Batch, texts: list[str], scorers: list[tuple[str, str]]
+    ) -> ScoringJob:
         assert self.pool is not None
         sources = _column(batch, "data_source")
         truths = _column(batch, "ground_truth")
@@ -194,6 +204,7 @@ class RewardManager:
             if source not in specs:
                 spec = scorer_spec(source, self.cfg.scorer)
                 specs[source] = portable_spec(spec) if self.cfg.num_workers > 0 else spec
+            scorers.append((specs[source], source))
             request_id = next(_ids)
             request = {
                 "id": request_id,
@@ -238,6 +249,11 @@ class RewardManager:
         self.close()
 
 
+def _describe_failure(index: int, error: str, scorer: tuple[str, str]) -> str:
+    """The ScoringError quote of one failure: scorer, sample, data_source and error."""
+    return f"{scorer[0]} on sample {index} (data_source {scorer[1]!r}): {error}"
+
+
 def _assemble(p: _Pending) -> RewardResult:
     """Replies -> scores with fallbacks, extras by key, counts and means."""
     size = p.response_mask.shape[0]
@@ -259,6 +275,13 @@ def _assemble(p: _Pending) -> RewardResult:
     errors = [(i, e) for i, e in enumerate(extra["reward_error"]) if e]
     if errors:
         log.warning("%d reward failures; first: sample %d: %s", len(errors), *errors[0])
+    if p.job.replies:
+        failures = [
+            _describe_failure(i, extra["reward_error"][i] or "no reply", p.scorers[i])
+            for i, status in enumerate(statuses)
+            if status != "ok"
+        ]
+        check_failure_rate(failures, size, p.max_failure_rate)
     metrics = {
         "reward/errors": float(statuses.count("error")),
         "reward/timeouts": float(statuses.count("timeout")),

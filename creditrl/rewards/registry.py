@@ -1,31 +1,34 @@
-"""Scorers by data_source: built-ins, runtime registrations and user files ("path.py:fn").
+"""Scorers by data_source: built-ins, runtime registrations and user code ("path.py:fn").
 
 A scorer has verl's ``compute_score`` signature::
 
     fn(data_source: str, solution_str: str, ground_truth: Any,
        extra_info: dict | None = None, **kwargs) -> float | dict
 
-A dict holds "score" plus any extra per-sample info. Lookup for a data_source: the exact
-name, then its "/"-prefixes, longest first ("reasoning_gym/chain_sum" -> "reasoning_gym").
+and is called as ``SCORER_CALL``; user code that cannot take that call is refused when it is
+loaded (``check_scorer_signature``). A dict holds "score" plus any extra per-sample info.
+Lookup for a data_source: the exact name, then its "/"-prefixes, longest first
+("reasoning_gym/chain_sum" -> "reasoning_gym").
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from creditrl.errors import ConfigError, DataError, UserCodeError
 from creditrl.rewards import scorers
+from creditrl.usercode import is_code_spec, load_user_object
 
 __all__ = [
     "BUILTIN_SCORERS",
     "SCORERS",
+    "SCORER_CALL",
+    "SCORER_SIGNATURE",
     "Scorer",
+    "check_scorer_signature",
     "get_scorer",
     "load_scorer_file",
     "portable_spec",
@@ -41,9 +44,8 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     "math": scorers.math_score,
 }
 SCORERS: dict[str, Scorer] = dict(BUILTIN_SCORERS)
-
-_file_lock = threading.Lock()
-_file_modules: dict[str, Any] = {}
+SCORER_SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+SCORER_CALL = "fn(data_source, solution_str, ground_truth, extra_info, **reward.scorer_kwargs)"
 
 
 def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
@@ -60,56 +62,48 @@ def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
     return deco
 
 
-def _is_file_spec(spec: str) -> bool:
-    return ":" in spec and spec.rpartition(":")[0].endswith(".py")
+def load_scorer_file(spec: str, what: str = "reward.scorer") -> Scorer:
+    """The scorer ``fn`` of ``"path/to/file.py:fn"`` (or ``"package.module:fn"``), its
+    signature checked against the documented call (UserCodeError naming ``what`` otherwise)."""
+    fn = load_user_object(spec, what)
+    check_scorer_signature(fn, spec, what=what)
+    return fn
 
 
-def load_scorer_file(spec: str) -> Scorer:
-    """Load ``fn`` from ``"path/to/file.py:fn"`` (the file imported once per process, by path)."""
-    path_text, _, name = spec.rpartition(":")
-    path = Path(path_text).expanduser().resolve()
-    if not name:
-        raise ValueError(f"scorer spec {spec!r} names no function (expected 'path/to/file.py:fn')")
-    if not path.is_file():
-        raise FileNotFoundError(f"scorer file {str(path)!r} (from spec {spec!r}) does not exist")
-    key = str(path)
-    with _file_lock:
-        module = _file_modules.get(key)
-        if module is None:
-            mod_name = "creditrl_user_scorer_" + hashlib.sha1(key.encode()).hexdigest()[:12]
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            if module_spec is None or module_spec.loader is None:
-                raise ImportError(f"cannot import scorer file {key!r}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[mod_name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[mod_name]
-                raise
-            _file_modules[key] = module
-    target: Any = module
-    for part in name.split("."):
-        target = getattr(target, part, None)
-    if not callable(target):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(
-            f"scorer file {key!r} has no function {name!r} (callables there: {found})"
-        )
-    return target
+def check_scorer_signature(
+    fn: Scorer, label: str, scorer_kwargs: Mapping[str, Any] | None = None, what: str = "reward"
+) -> None:
+    """UserCodeError unless ``fn`` accepts ``SCORER_CALL`` with these ``scorer_kwargs``.
+
+    Callables whose signature Python cannot read (some C functions) pass unchecked.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    kwargs = dict(scorer_kwargs or {})
+    try:
+        signature.bind("data_source", "solution_str", None, {}, **kwargs)
+    except TypeError as e:
+        given = f" with reward.scorer_kwargs keys {sorted(kwargs)}" if kwargs else ""
+        raise UserCodeError(
+            f"{what}: scorer {label} has signature {signature} but is called as "
+            f"{SCORER_CALL}{given}: {e}; expected {SCORER_SIGNATURE}"
+        ) from None
 
 
 def scorer_spec(data_source: str, override: str | None = None) -> str:
     """The registered name or file spec that scores ``data_source``.
 
     ``override`` (a registered name or "path/to/file.py:fn") wins; otherwise the exact
-    data_source, then its "/"-prefixes. ValueError names the data_source and the registered names.
+    data_source, then its "/"-prefixes. DataError names the data_source and the registered names
+    (ConfigError for an ``override`` that is neither).
     """
     if override:
-        if override in SCORERS or _is_file_spec(override):
+        if override in SCORERS or is_code_spec(override):
             return override
-        raise ValueError(
-            f"reward scorer {override!r} is neither a registered name {sorted(SCORERS)} "
+        raise ConfigError(
+            f"reward.scorer: {override!r} is neither a registered name {sorted(SCORERS)} "
             "nor 'path/to/file.py:fn'"
         )
     parts = data_source.split("/")
@@ -117,7 +111,7 @@ def scorer_spec(data_source: str, override: str | None = None) -> str:
         name = "/".join(parts[:cut])
         if name in SCORERS:
             return name
-    raise ValueError(
+    raise DataError(
         f"no reward scorer for data_source {data_source!r}; registered: {sorted(SCORERS)} "
         "(set reward.scorer to a name or 'path/to/file.py:fn')"
     )
@@ -136,15 +130,16 @@ def portable_spec(spec: str) -> str:
     """
     if spec in BUILTIN_SCORERS and SCORERS[spec] is BUILTIN_SCORERS[spec]:
         return spec
-    if _is_file_spec(spec):
+    if spec not in SCORERS:
         path, _, name = spec.rpartition(":")
-        return f"{Path(path).expanduser().resolve()}:{name}"
+        return f"{Path(path).expanduser().resolve()}:{name}" if path.endswith(".py") else spec
     fn = SCORERS[spec]
     source = inspect.getsourcefile(fn)
     qualname = getattr(fn, "__qualname__", "")
     if source is None or "<locals>" in qualname or not source.endswith(".py"):
-        raise ValueError(
-            f"scorer {spec!r} ({fn!r}) is not a top-level function of a .py file, so reward "
-            "worker processes cannot load it; define it at module level or use num_workers=0"
+        raise UserCodeError(
+            f"reward: scorer {spec!r} ({fn!r}) is not a top-level function of a .py file, so "
+            "reward worker processes cannot load it; define it at module level or set "
+            "reward.num_workers=0"
         )
     return f"{Path(source).resolve()}:{qualname}"

@@ -26,12 +26,8 @@ YAML tool config (``agent.tool_config``)::
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
-import sys
 import time
 import types
 import typing
@@ -39,6 +35,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from creditrl.errors import ConfigError, UserCodeError
+from creditrl.usercode import load_user_object, one_line
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -49,7 +48,6 @@ __all__ = [
     "ToolResult",
     "build_registry",
     "function_schema",
-    "load_function",
     "validate_arguments",
 ]
 
@@ -247,32 +245,6 @@ def validate_arguments(parameters: Mapping[str, Any], arguments: Any) -> dict[st
     return dict(arguments)
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """A function from ``"path/to/file.py:name"`` or ``"package.module:name"``."""
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise ValueError(f"tool function {spec!r} must be 'path/to/file.py:fn' or 'module:fn'")
-    if target.endswith(".py"):
-        path = Path(target).expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"tool file {str(path)!r} (from {spec!r}) does not exist")
-        mod_name = "creditrl_user_tool_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        module = sys.modules.get(mod_name)
-        if module is None:
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            if module_spec is None or module_spec.loader is None:
-                raise ImportError(f"cannot import tool file {str(path)!r}")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-            sys.modules[mod_name] = module
-    else:
-        module = importlib.import_module(target)
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise AttributeError(f"tool function {spec!r}: {attr!r} is not a callable there")
-    return fn
-
-
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -365,32 +337,68 @@ def _builtin_factories() -> dict[str, Callable[..., Tool]]:
 BUILTIN_TOOLS = ("calculator", "python", "kg_lookup")
 
 
-def _tool_from_entry(entry: Mapping[str, Any], where: str, timeout_s: float) -> Tool:
+_ENTRY_KEYS = ("description", "function", "kwargs", "parameters", "timeout_s")
+
+
+def _check_entry(entry: Any, where: str) -> dict[str, Any]:
+    """The entry as a dict with its keys' types checked (ConfigError naming ``where``)."""
     if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
-        raise ValueError(f"{where}: each tool entry needs a 'name' (got {entry!r})")
+        raise ConfigError(f"{where}: each tool entry needs a 'name' string (got {entry!r})")
     entry = dict(entry)
-    name = entry.pop("name")
-    known = {"function", "description", "parameters", "timeout_s", "kwargs"}
-    unknown = sorted(set(entry) - known)
+    name = entry["name"]
+    unknown = sorted(set(entry) - {"name", *_ENTRY_KEYS})
     if unknown:
-        raise ValueError(f"{where}: tool {name!r} has unknown keys {unknown}; use {sorted(known)}")
+        raise ConfigError(
+            f"{where}: tool {name!r} has unknown keys {unknown}; use {sorted(_ENTRY_KEYS)}"
+        )
+    types_ = {"function": str, "description": str, "parameters": Mapping, "kwargs": Mapping}
+    for key, kind in types_.items():
+        if entry.get(key) is not None and not isinstance(entry[key], kind):
+            raise ConfigError(
+                f"{where}: tool {name!r}: {key!r} must be a {kind.__name__}, "
+                f"got {type(entry[key]).__name__}"
+            )
+    timeout = entry.get("timeout_s")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+    ):
+        raise ConfigError(
+            f"{where}: tool {name!r}: timeout_s must be a number > 0, got {timeout!r}"
+        )
+    return entry
+
+
+def _tool_from_entry(entry: Any, where: str, timeout_s: float) -> Tool:
+    entry = _check_entry(entry, where)
+    name = entry.pop("name")
     kwargs = dict(entry.get("kwargs") or {})
     if "function" in entry:
-        fn = load_function(str(entry["function"]))
         if kwargs:
-            raise ValueError(f"{where}: tool {name!r}: 'kwargs' is for built-ins only")
-        tool = Tool.from_function(fn, name, entry.get("description"), entry.get("parameters"))
+            raise ConfigError(f"{where}: tool {name!r}: 'kwargs' is for built-ins only")
+        fn = load_user_object(entry["function"], f"{where} function")
+        try:
+            tool = Tool.from_function(fn, name, entry.get("description"), entry.get("parameters"))
+        except (TypeError, ValueError, NameError) as e:
+            raise UserCodeError(
+                f"{where}: tool {name!r} ({entry['function']}): {one_line(e)}"
+            ) from e
     else:
         factories = _builtin_factories()
         if name not in factories:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: tool {name!r} is not a built-in {sorted(factories)}; "
                 "give a 'function: path.py:fn'"
             )
         factory = factories[name]
         if "timeout_s" in inspect.signature(factory).parameters:
             kwargs.setdefault("timeout_s", float(entry.get("timeout_s") or timeout_s))
-        tool = factory(**kwargs)
+        try:
+            tool = factory(**kwargs)
+        except (TypeError, ValueError, OSError) as e:
+            raise ConfigError(
+                f"{where}: built-in tool {name!r} with kwargs {kwargs}: "
+                f"{type(e).__name__}: {one_line(e)}"
+            ) from e
         if "description" in entry:
             tool.schema["function"]["description"] = entry["description"]
         if "parameters" in entry:
@@ -400,30 +408,46 @@ def _tool_from_entry(entry: Mapping[str, Any], where: str, timeout_s: float) -> 
     return tool
 
 
+def _tool_entries(tool_config: str) -> list[Any]:
+    """The ``tools:`` list of the YAML file ``tool_config`` (ConfigError naming the file)."""
+    from omegaconf import OmegaConf
+
+    path = Path(tool_config).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"agent.tool_config: {path} does not exist")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    except Exception as e:
+        raise ConfigError(
+            f"agent.tool_config: {path} is not valid YAML: {type(e).__name__}: {one_line(e)}"
+        ) from e
+    entries = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigError(f"agent.tool_config: {path}: expected a top-level 'tools:' list")
+    return entries
+
+
 def build_registry(
     names: Sequence[str] = (),
     tool_config: str | None = None,
     timeout_s: float = 5.0,
     max_parallel: int = 4,
 ) -> ToolRegistry:
-    """A registry of the built-ins ``names`` plus the entries of the YAML ``tool_config``."""
+    """A registry of the built-ins ``names`` plus the entries of the YAML ``tool_config``.
+
+    Every mistake in them (an unknown name, a missing or unparsable file, a bad entry, user
+    code that does not load) is a one-line ConfigError or UserCodeError naming the entry.
+    """
     registry = ToolRegistry(timeout_s=timeout_s, max_parallel=max_parallel)
     for name in names:
+        if name in registry.tools:
+            raise ConfigError(f"agent.tools: {name!r} is listed twice")
         registry.register(_tool_from_entry({"name": name}, "agent.tools", timeout_s))
     if tool_config:
-        from omegaconf import OmegaConf
-
-        path = Path(tool_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"agent.tool_config file {str(path)!r} does not exist")
-        data = OmegaConf.to_container(OmegaConf.load(path)) or {}
-        entries = data.get("tools") if isinstance(data, dict) else None
-        if not isinstance(entries, list):
-            raise ValueError(f"{path}: expected a top-level 'tools:' list")
-        for i, entry in enumerate(entries):
-            tool = _tool_from_entry(entry, f"{path} tools[{i}]", timeout_s)
-            if tool.name in registry.tools:
-                registry.tools[tool.name] = tool  # the file's entry refines a built-in name
-            else:
-                registry.register(tool)
+        for i, entry in enumerate(_tool_entries(tool_config)):
+            where = f"agent.tool_config: {Path(tool_config).expanduser()} tools[{i}]"
+            tool = _tool_from_entry(entry, where, timeout_s)
+            if tool.name in registry.tools and tool.name not in names:
+                raise ConfigError(f"{where}: tool {tool.name!r} is defined twice in the file")
+            registry.tools[tool.name] = tool  # a file entry may refine a built-in of agent.tools
     return registry

@@ -26,6 +26,7 @@ from creditrl.core import get_kl_controller
 from creditrl.data import ResumableSampler, build_datasets, collate_prompts
 from creditrl.errors import NothingToLearnError
 from creditrl.models import load_tokenizer, resolve_model_path
+from creditrl.preflight import preflight
 from creditrl.rewards import RewardManager
 from creditrl.tracking import (
     RolloutDumper,
@@ -74,6 +75,8 @@ class RLTrainer:
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
         self.console = console or Console()
+        for notice in preflight(cfg):  # user code, data files and scorers, before any model
+            self.console.print(f"[yellow]note:[/yellow] {escape(notice)}")
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
@@ -82,9 +85,12 @@ class RLTrainer:
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
         # Provably on-policy: the HF engine samples with the actor's own weights, and without
-        # top-k/top-p its sampling distribution is the actor's at the same temperature.
+        # top-k/top-p its sampling distribution is the actor's at the same temperature. Rollout
+        # IS compares recomputed log-probs with the sampler's, so it turns the reuse off (with
+        # reused log-probs its weights would be exactly 1: a silent no-op).
         self.reuse_rollout_log_probs = (
             cfg.actor.use_rollout_log_probs
+            and not cfg.algorithm.rollout_is.enable
             and cfg.rollout.engine == "hf"
             and cfg.rollout.top_k <= 0
             and cfg.rollout.top_p >= 1.0

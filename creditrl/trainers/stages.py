@@ -17,6 +17,7 @@ from creditrl.core import (
     compute_rollout_importance_weights,
     last_valid_index,
 )
+from creditrl.usercode import resolve_adv_estimator
 
 __all__ = [
     "add_sample_seeds",
@@ -153,7 +154,7 @@ def rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:
 def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
     """``advantages`` and ``returns`` by the configured estimator."""
     adv, returns = compute_advantage(
-        cfg.adv_estimator,
+        resolve_adv_estimator(cfg.adv_estimator),
         batch["token_level_rewards"],
         batch["response_mask"],
         batch.get("uid"),

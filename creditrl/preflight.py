@@ -1,0 +1,112 @@
+"""Checks of everything a run names, before any model is built: ``preflight(cfg)``.
+
+It loads the user code the config names (``reward.scorer``, an ``algorithm.adv_estimator``
+given as ``file.py:name``, the tools of ``agent.tools`` / ``agent.tool_config``), reads the
+data files (JSON rows, no tokenizer) and checks that every ``data_source`` in them has a
+scorer. The first mistake raises a one-line ``UserError`` naming the key, file, row or
+function; what is fine but worth saying (validation off) comes back as notices to print.
+Checks that need the tokenizer (prompt lengths) stay in the dataset builders.
+"""
+
+from __future__ import annotations
+
+from creditrl.config.schema import Config, DataConfig
+from creditrl.data.builders import validation_notice
+from creditrl.data.rows import read_rows
+from creditrl.errors import ConfigError, DataError
+from creditrl.rewards.failures import check_max_failure_rate
+from creditrl.rewards.registry import (
+    SCORERS,
+    check_scorer_signature,
+    load_scorer_file,
+    portable_spec,
+    scorer_spec,
+)
+from creditrl.usercode import resolve_adv_estimator
+
+__all__ = ["data_sources", "preflight"]
+
+Sources = dict[str, tuple[str, str]]  # data_source -> (config key, first row that has it)
+
+
+def preflight(cfg: Config) -> list[str]:
+    """Check the estimator, tools, data files and scorers of ``cfg``; return notices to print.
+
+    Raises ConfigError, DataError or UserCodeError (one line each) for the first mistake.
+    """
+    resolve_adv_estimator(cfg.algorithm.adv_estimator)
+    check_max_failure_rate(cfg.reward.max_failure_rate)
+    if _uses_tools(cfg):
+        from creditrl.tools import build_registry
+
+        agent = cfg.agent
+        build_registry(
+            agent.tools, agent.tool_config, agent.tool_timeout_s, agent.max_parallel_calls
+        )
+    _check_scorers(cfg, data_sources(cfg.data))
+    notice = validation_notice(cfg.data)
+    return [notice] if notice else []
+
+
+def _uses_tools(cfg: Config) -> bool:
+    from creditrl.agents.tasks import AGENT_TASKS
+
+    return cfg.agent.enable or (cfg.data.task in AGENT_TASKS and not cfg.data.train_files)
+
+
+def data_sources(cfg: DataConfig) -> Sources:
+    """Every ``data_source`` the data will hold, with its config key and first row.
+
+    Data files are read and their rows validated (DataError naming file and row); a built-in
+    task contributes the data_source its rows get.
+    """
+    from creditrl.agents.tasks import AGENT_TASKS
+
+    sources: Sources = {}
+    if cfg.train_files:
+        for key, paths in (
+            ("data.train_files", cfg.train_files),
+            ("data.val_files", cfg.val_files),
+        ):
+            for path in paths:
+                for row in read_rows(path, key):
+                    sources.setdefault(row.data_source, (key, row.source))
+    elif cfg.task:
+        source = cfg.task if cfg.task in AGENT_TASKS else f"reasoning_gym/{cfg.task}"
+        sources[source] = ("data.task", f"data.task={cfg.task!r}")
+    else:
+        raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
+    return sources
+
+
+def _check_scorers(cfg: Config, sources: Sources) -> None:
+    """Load and signature-check the scorer of every data_source (or ``reward.scorer``)."""
+    from creditrl.agents.rewards import STRUCTURED_SCORERS, structured_scorer_for
+
+    reward = cfg.reward
+    structured = cfg.agent.enable and cfg.agent.reward_manager == "structured"
+    if not structured and reward.reward_model.enable and reward.reward_model.mode == "replace":
+        return  # the reward model alone scores; no rule scorer runs
+    in_workers = not structured and reward.num_workers > 0
+    if reward.scorer:
+        spec = scorer_spec("", reward.scorer)
+        fn = SCORERS[spec] if spec in SCORERS else load_scorer_file(spec, "reward.scorer")
+        check_scorer_signature(fn, spec, reward.scorer_kwargs, "reward.scorer")
+        if in_workers:
+            portable_spec(spec)
+        return
+    for source, (key, where) in sources.items():
+        if structured and structured_scorer_for(source) is not None:
+            continue
+        try:
+            spec = scorer_spec(source)
+        except DataError:
+            names = sorted({*SCORERS, *(STRUCTURED_SCORERS if structured else ())})
+            raise DataError(
+                f"{key}: rows with data_source {source!r} (first: {where}) have no scorer; "
+                f"registered: {', '.join(names)}; or set reward.scorer=path.py:fn"
+            ) from None
+        what = f"{key}: data_source {source!r}"
+        check_scorer_signature(SCORERS[spec], repr(spec), reward.scorer_kwargs, what)
+        if in_workers:
+            portable_spec(spec)
