@@ -8,23 +8,36 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from creditrl.commands import SUBCOMMANDS
 from creditrl.config import Config
-from creditrl.config.loader import ConfigError, load_config, to_dict
+from creditrl.config.loader import load_config_with_sources, to_dict
+from creditrl.errors import UserError
 
 
 def describe_sizes(cfg: Config) -> str:
-    """The resolved batch sizes, each with its unit."""
-    n = cfg.rollout.n
-    per_step = cfg.data.train_batch_size * n
-    mini = cfg.actor.ppo_mini_batch_size * n
+    """The resolved batch sizes, each with its unit (a mini-batch larger than the batch is the
+    whole batch)."""
+    n, batch = cfg.rollout.n, cfg.data.train_batch_size
+    mini = min(cfg.actor.ppo_mini_batch_size, batch)
     return (
-        f"step: {cfg.data.train_batch_size} prompts x rollout.n {n} = {per_step} trajectories; "
-        f"actor update: {-(-cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)} "
-        f"optimizer step(s) of {mini} trajectories x {cfg.actor.ppo_epochs} epoch(s), "
+        f"step: {batch} prompts x rollout.n {n} = {batch * n} trajectories; "
+        f"actor update: {-(-batch // mini)} optimizer step(s) of {mini * n} trajectories x "
+        f"{cfg.actor.ppo_epochs} epoch(s), "
         f"micro-batches of {cfg.actor.ppo_micro_batch_size} trajectories"
     )
+
+
+def print_error(console: Console, err: Exception) -> None:
+    """``err`` as one red line "error: ..." (a UserError's message is the whole story)."""
+    text = " ".join(str(err).splitlines())
+    console.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
+
+
+def print_warning(console: Console, text: str) -> None:
+    """One yellow line "warning: ..."."""
+    console.print(f"[yellow]warning: {escape(text)}[/yellow]", soft_wrap=True)
 
 
 def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
@@ -56,11 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args, console))
     config_file, overrides = _split_args(args.args)
     try:
-        cfg = load_config(config_file, overrides)
-    except ConfigError as err:
-        console.print(f"[red]config error:[/red] {err}")
+        return _run(args.command, config_file, overrides, console)
+    except UserError as err:
+        print_error(console, err)
         return 2
-    if args.command == "config":
+
+
+def _run(command: str, config_file: Path | None, overrides: list[str], console: Console) -> int:
+    """train/run, config or eval; a UserError anywhere propagates to ``main``."""
+    loaded = load_config_with_sources(config_file, overrides)
+    cfg = loaded.config
+    for line in loaded.warnings:
+        print_warning(console, line)
+    if command == "config":
         from omegaconf import OmegaConf
 
         console.print(OmegaConf.to_yaml(to_dict(cfg)), markup=False)
@@ -71,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console.print(describe_sizes(cfg))
     trainer = RLTrainer(cfg, console=console)
-    if args.command == "eval":
+    if command == "eval":
         metrics = trainer.validate()
         for key, value in sorted(metrics.items()):
             console.print(f"{key}: {value:.4f}")

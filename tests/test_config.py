@@ -43,7 +43,7 @@ def test_yaml_file_with_preset_and_override_order(tmp_path) -> None:
     ],
 )
 def test_unknown_keys_suggest_the_right_one(override: str, suggestion: str) -> None:
-    with pytest.raises(ConfigError, match=f"Did you mean '{suggestion}'"):
+    with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
         load_config(overrides=[override])
 
 

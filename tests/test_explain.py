@@ -262,7 +262,7 @@ def test_prompt_mode_ppo_uses_a_critic_and_the_kl(capsys: pytest.CaptureFixture)
         (["--step", "9"], "has no rollout dump for step 9"),
         (["--row", "7"], "rows [7] have no per-token dump"),
         (["--prompt", "hi"], "--prompt needs at least one --response"),
-        (["algorithm.lam=2"], None),
+        (["algorithm.lam=0.5"], None),
     ],
 )
 def test_errors_name_the_problem(

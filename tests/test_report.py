@@ -31,7 +31,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "train", f"model.path={tiny_model_dir()}", "preset=ppo", f"trainer.total_steps={STEPS}",
         f"trainer.output_dir={out}", "trainer.test_freq=1", "trainer.logger=[jsonl]",
         "trainer.save_freq=0", "data.train_size=12", "data.val_size=2",
-        "data.train_batch_size=2", "rollout.max_response_length=8", "reward.num_workers=1",
+        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+        "rollout.max_response_length=8", "reward.num_workers=1",
         "trainer.num_threads=1",
     ])  # fmt: skip
     torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
-"""Typed configs with YAML files and ``a.b=c`` overrides."""
+"""Typed configs with YAML files and ``a.b=c`` overrides, checked in one place (``validate``)."""
 
+from creditrl.config.loader import LoadedConfig, load_config, load_config_with_sources
 from creditrl.config.schema import (
     ActorConfig,
     AgentConfig,
@@ -15,6 +16,7 @@ from creditrl.config.schema import (
     RolloutConfig,
     TrainerConfig,
 )
+from creditrl.config.validate import unused_settings, validate_config
 
 __all__ = [
     "ActorConfig",
@@ -24,10 +26,15 @@ __all__ = [
     "Config",
     "CriticConfig",
     "DataConfig",
+    "LoadedConfig",
     "ModelConfig",
     "OptimConfig",
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "load_config",
+    "load_config_with_sources",
+    "unused_settings",
+    "validate_config",
 ]

@@ -112,7 +112,7 @@ class ActorConfig:
     log_prob_micro_batch_size: int = 16  # trajectories per log-prob forward
     ppo_epochs: int = 1
     shuffle: bool = True
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # max gradient norm; None: no clipping
     policy_loss: str = "ppo"  # a name from creditrl.core.POLICY_LOSSES
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -141,7 +141,7 @@ class CriticConfig:
     ppo_mini_batch_size: int = 4  # prompts per optimizer step
     ppo_micro_batch_size: int = 8  # trajectories
     ppo_epochs: int = 1
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # max gradient norm; None: no clipping
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     use_dynamic_bsz: bool = False  # micro-batches by token budget, not a fixed trajectory count

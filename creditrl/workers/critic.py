@@ -118,7 +118,8 @@ class CriticWorker:
             metrics["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * share
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         all_reduce_gradients(params)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        max_norm = math.inf if self.cfg.grad_clip is None else self.cfg.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         metrics["critic/grad_norm"] = grad_norm
         metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):

@@ -1,0 +1,542 @@
+"""Checks on a loaded Config, the one place a config is refused: each choice-valued key against
+its choices, each number against its range, and combinations that cannot train (one-line
+``ConfigError``s); settings the user gave that the chosen mode will not use (warnings).
+
+``load_config`` runs them; a Config built directly in code is not checked. Choices come from
+the registries in ``creditrl.core`` where one exists, so a user-registered estimator or loss is
+accepted; the other choice sets live in ``CHOICES`` below, beside the module that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from creditrl.config.schema import Config
+from creditrl.errors import ConfigError
+from creditrl.usercode import is_code_spec
+
+__all__ = [
+    "CHOICES",
+    "GROUP_ESTIMATORS",
+    "RANGES",
+    "Range",
+    "all_choices",
+    "format_value",
+    "unused_settings",
+    "validate_config",
+]
+
+# Built-in advantage estimators that compare the rollout.n answers to one prompt: with a group
+# of one (or identical answers) every advantage is 0.
+GROUP_ESTIMATORS = frozenset(
+    {
+        "grpo",
+        "grpo_multiturn",
+        "dr_grpo",
+        "rloo",
+        "opo",
+        "gpg",
+        "grpo_passk",
+        "reinforce_plus_plus_baseline",
+    }
+)
+
+# Built-in estimators that read algorithm.gamma / divide by the group std
+# (norm_adv_by_std_in_grpo); a user estimator (file.py:name) is not judged.
+GAMMA_ESTIMATORS = frozenset({"gae", "reinforce_plus_plus"})
+STD_NORMALISED_ESTIMATORS = frozenset({"grpo", "grpo_multiturn", "grpo_passk"})
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),  # models.loading
+    "data.overlong_prompt": ("drop", "raise"),  # data.dataset
+    "rollout.engine": ("hf", "vllm"),  # rollout.factory
+    "rollout.vllm_dtype": ("auto", "bfloat16", "float16", "half", "float32", "float"),
+    "reward.reward_model.mode": ("replace", "add"),
+    "actor.optim.lr_scheduler": ("constant", "cosine"),  # workers.optim
+    "critic.optim.lr_scheduler": ("constant", "cosine"),
+    "actor.autocast": ("none", "bf16"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.filter_groups.metric": ("score",),
+    "trainer.backend": ("local", "ray"),  # controller
+    "trainer.strategy": ("ddp", "fsdp2"),  # workers.parallel
+    "trainer.fsdp_param_dtype": ("float32", "bfloat16", "float16"),  # workers.parallel
+    "trainer.critic_placement": ("colocated", "separate"),
+    "trainer.checkpoint_format": ("full", "sharded"),
+    "trainer.resume": ("auto", "never"),
+    "trainer.ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "trainer.logger": ("console", "jsonl", "tensorboard", "wandb", "mlflow"),  # tracking.sinks
+    "asynchronous.ref_on": ("sampler", "learner"),
+    "asynchronous.old_log_probs": ("learner", "sampler"),
+    "asynchronous.lora_sync": ("merged", "adapter"),
+    "agent.truncate_side": ("left", "right", "middle"),  # tools.output
+    "agent.reward_manager": ("structured", "rule"),
+}
+
+
+def _registry_choices() -> dict[str, tuple[str, ...]]:
+    """Choices read from the registries (imported here: they pull in torch)."""
+    from creditrl.core import (
+        ADV_ESTIMATORS,
+        KL_ESTIMATORS,
+        LOSS_AGG_MODES,
+        POLICY_LOSSES,
+        REWARD_DISTRIBUTIONS,
+        ROLLOUT_IS_LEVELS,
+        ROLLOUT_IS_MODES,
+    )
+
+    kl = tuple(KL_ESTIMATORS.names())
+    kl = kl + tuple(f"{name}+" for name in kl)
+    return {
+        "algorithm.adv_estimator": tuple(ADV_ESTIMATORS.names()),
+        "actor.policy_loss": tuple(POLICY_LOSSES.names()),
+        "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
+        "critic.loss_agg_mode": tuple(LOSS_AGG_MODES),
+        "actor.kl_loss_type": kl,
+        "algorithm.kl_penalty": kl,
+        "algorithm.rollout_is.level": tuple(ROLLOUT_IS_LEVELS),
+        "algorithm.rollout_is.mode": tuple(ROLLOUT_IS_MODES),
+        "agent.reward_distribution": tuple(REWARD_DISTRIBUTIONS),
+    }
+
+
+def all_choices() -> dict[str, tuple[str, ...]]:
+    """Every choice-valued key and its accepted values (list keys: each entry)."""
+    return {**CHOICES, **_registry_choices()}
+
+
+@dataclass(frozen=True)
+class Range:
+    """An allowed interval; ``low_open``/``high_open`` exclude the end. ``null`` allows None."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    null: str = ""  # what None means, when None is allowed
+    note: str = ""  # why, when the bound is not obvious
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def text(self) -> str:
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{format_value(self.low)}, {format_value(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {format_value(self.low)}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {format_value(self.high)}"
+        text = f"{text} (or null: {self.null})" if self.null else text
+        return f"{text} ({self.note})" if self.note else text
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
+UNIT, PORT = Range(0, 1), Range(0, 65535)
+GRAD_CLIP = Range(0, low_open=True, null="no clipping; 0 would freeze the weights")
+OPTIONAL_AT_LEAST_0 = Range(0, null="unset")
+OPTIONAL_POSITIVE = Range(0, low_open=True, null="unset")
+
+RANGES: dict[str, Range] = {
+    "model.lora_rank": AT_LEAST_0,
+    "model.lora_alpha": POSITIVE,
+    "data.train_size": AT_LEAST_1,
+    "data.val_size": AT_LEAST_0,
+    "data.train_batch_size": AT_LEAST_1,
+    "data.max_prompt_length": AT_LEAST_1,
+    "rollout.n": AT_LEAST_1,
+    "rollout.temperature": Range(
+        0, low_open=True, note="training samples; rollout.val_temperature=0 is greedy validation"
+    ),
+    "rollout.top_p": Range(0, 1, low_open=True),
+    "rollout.max_response_length": AT_LEAST_1,
+    "rollout.micro_batch_size": AT_LEAST_1,
+    "rollout.val_temperature": AT_LEAST_0,
+    "rollout.val_n": AT_LEAST_1,
+    "rollout.gpu_memory_utilization": Range(0, 1, low_open=True),
+    "rollout.tensor_parallel_size": AT_LEAST_1,
+    "reward.num_workers": AT_LEAST_0,
+    "reward.timeout_s": POSITIVE,
+    "reward.max_failure_rate": UNIT,
+    "reward.reward_model.micro_batch_size": AT_LEAST_1,
+    "actor.ppo_mini_batch_size": AT_LEAST_1,
+    "actor.ppo_micro_batch_size": AT_LEAST_1,
+    "actor.log_prob_micro_batch_size": AT_LEAST_1,
+    "actor.ppo_epochs": AT_LEAST_1,
+    "actor.grad_clip": GRAD_CLIP,
+    "actor.clip_ratio": AT_LEAST_0,
+    "actor.clip_ratio_low": OPTIONAL_AT_LEAST_0,
+    "actor.clip_ratio_high": OPTIONAL_AT_LEAST_0,
+    "actor.clip_ratio_c": Range(1, low_open=True),
+    "actor.tau_pos": POSITIVE,
+    "actor.tau_neg": POSITIVE,
+    "actor.loss_scale_factor": OPTIONAL_POSITIVE,
+    "actor.kl_loss_coef": AT_LEAST_0,
+    "actor.max_token_len_per_device": AT_LEAST_1,
+    "critic.ppo_mini_batch_size": AT_LEAST_1,
+    "critic.ppo_micro_batch_size": AT_LEAST_1,
+    "critic.ppo_epochs": AT_LEAST_1,
+    "critic.grad_clip": GRAD_CLIP,
+    "critic.cliprange_value": AT_LEAST_0,
+    "critic.max_token_len_per_device": AT_LEAST_1,
+    "algorithm.gamma": UNIT,
+    "algorithm.lam": UNIT,
+    "algorithm.kl_ctrl.kl_coef": AT_LEAST_0,
+    "algorithm.kl_ctrl.target_kl": POSITIVE,
+    "algorithm.kl_ctrl.horizon": AT_LEAST_1,
+    "algorithm.rollout_is.threshold": POSITIVE,
+    "algorithm.rollout_is.threshold_lower": OPTIONAL_POSITIVE,
+    "algorithm.rollout_is.veto_threshold": OPTIONAL_POSITIVE,
+    "algorithm.filter_groups.max_num_gen_batches": AT_LEAST_1,
+    "algorithm.overlong_buffer.len": AT_LEAST_1,
+    "algorithm.overlong_buffer.penalty_factor": AT_LEAST_0,
+    "trainer.total_steps": AT_LEAST_1,
+    "trainer.save_freq": AT_LEAST_0,
+    "trainer.test_freq": AT_LEAST_0,
+    "trainer.critic_warmup": AT_LEAST_0,
+    "trainer.workers": AT_LEAST_1,
+    "trainer.collective_timeout_s": POSITIVE,
+    "trainer.call_timeout_s": POSITIVE,
+    "trainer.ray.cpus_per_worker": AT_LEAST_0,
+    "trainer.ray.gpus_per_worker": AT_LEAST_0,
+    "trainer.rollout_dump_rows": AT_LEAST_0,
+    "trainer.max_checkpoints": AT_LEAST_1,
+    "trainer.num_threads": AT_LEAST_0,
+    "asynchronous.port": PORT,
+    "asynchronous.hwm": AT_LEAST_1,
+    "asynchronous.num_samplers": AT_LEAST_1,
+    "asynchronous.learners": AT_LEAST_1,
+    "asynchronous.dist_port": PORT,
+    "asynchronous.max_staleness": AT_LEAST_0,
+    "asynchronous.max_inflight_groups": AT_LEAST_0,
+    "asynchronous.sampler_batch_groups": AT_LEAST_0,
+    "asynchronous.keep_weight_versions": AT_LEAST_1,
+    "asynchronous.publish_every": AT_LEAST_1,
+    "asynchronous.ping_s": POSITIVE,
+    "asynchronous.data_timeout_s": POSITIVE,
+    "asynchronous.max_message_mb": AT_LEAST_0,
+    "asynchronous.max_rejects": AT_LEAST_1,
+    "asynchronous.sampler_threads": AT_LEAST_0,
+    "asynchronous.learner_threads": AT_LEAST_0,
+    "agent.max_turns": AT_LEAST_1,
+    "agent.max_tokens_per_turn": AT_LEAST_0,
+    "agent.tool_timeout_s": POSITIVE,
+    "agent.max_parallel_calls": AT_LEAST_1,
+    "agent.max_calls_per_turn": AT_LEAST_1,
+    "agent.tool_output_max_chars": AT_LEAST_1,
+    "agent.drift_check_rows": AT_LEAST_0,
+}
+for _section in ("actor", "critic"):
+    RANGES.update(
+        {
+            f"{_section}.optim.lr": AT_LEAST_0,
+            f"{_section}.optim.weight_decay": AT_LEAST_0,
+            f"{_section}.optim.warmup_steps": AT_LEAST_0,
+            f"{_section}.optim.min_lr_ratio": UNIT,
+        }
+    )
+
+
+def format_value(value: Any) -> str:
+    """A value as the user would type it in an override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a Config."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every setting of a Config, sections walked."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def _nearest(value: str, choices: Collection[str]) -> str:
+    """'; did you mean X?' for the closest choice (case-insensitive first), or ''."""
+    same_case = [c for c in choices if c.lower() == value.lower()]
+    close = same_case or difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, choices in all_choices().items():
+        value = _get(cfg, key)
+        entries = value if isinstance(value, list) else [value]
+        for entry in entries:
+            if entry in choices:
+                continue
+            if key == "algorithm.adv_estimator" and is_code_spec(str(entry)):
+                continue
+            shown = f"{key}={format_value(entry)}"
+            if isinstance(value, list):
+                shown = f"{key} entry {format_value(entry)}"
+            bases = [c for c in choices if not c.endswith("+")]
+            allowed = ", ".join(choices)
+            if len(bases) * 2 == len(choices):
+                allowed = ", ".join(bases) + " (each also with a trailing '+')"
+            if key == "algorithm.adv_estimator":
+                allowed += ", or user code as path/to/file.py:name or package.module:name"
+            raise ConfigError(f"{shown} is not one of {allowed}{_nearest(str(entry), choices)}")
+
+
+def _check_numbers(cfg: Config) -> None:
+    for key, value in _leaves(cfg):
+        numbers = value if isinstance(value, list) else [value]
+        for number in numbers:
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ConfigError(f"{key}={format_value(number)} is not a finite number")
+    for key, allowed in RANGES.items():
+        value = _get(cfg, key)
+        if value is None and allowed.null:
+            continue
+        if value is None or not allowed.holds(value):
+            raise ConfigError(f"{key}={format_value(value)} must be {allowed.text()}")
+    top_k = cfg.rollout.top_k
+    if top_k != -1 and top_k < 1:
+        raise ConfigError(f"rollout.top_k={top_k} must be -1 (off) or >= 1")
+    for section in ("actor", "critic"):
+        betas = _get(cfg, f"{section}.optim.betas")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(
+                f"{section}.optim.betas={betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]"
+            )
+
+
+def _check_batches(cfg: Config, section: str) -> None:
+    batch, n, workers = cfg.data.train_batch_size, cfg.rollout.n, cfg.trainer.workers
+    mini = _get(cfg, f"{section}.ppo_mini_batch_size")
+    if mini > batch:
+        raise ConfigError(
+            f"{section}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={batch} "
+            f"(both count prompts); set {section}.ppo_mini_batch_size <= {batch}"
+        )
+    if batch % mini:
+        raise ConfigError(
+            f"data.train_batch_size={batch} is not a multiple of {section}.ppo_mini_batch_size="
+            f"{mini}: the last optimizer step would be partial; use a divisor of {batch}"
+        )
+    if (mini * n) % workers:
+        raise ConfigError(
+            f"{section}.ppo_mini_batch_size x rollout.n = {mini * n} trajectories must divide "
+            f"evenly over trainer.workers={workers}"
+        )
+
+
+def _check_combinations(cfg: Config) -> None:
+    alg, n = cfg.algorithm, cfg.rollout.n
+    _check_batches(cfg, "actor")
+    if alg.adv_estimator == "gae":
+        _check_batches(cfg, "critic")
+    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} compares the rollout.n answers to each "
+            f"prompt; rollout.n={n} gives every advantage 0; set rollout.n >= 2 or use an "
+            "estimator without groups (gae, reinforce_plus_plus, remax)"
+        )
+    if alg.filter_groups.enable and n < 2:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable=true keeps groups whose scores vary; rollout.n={n} "
+            "makes groups of one, so nothing would be kept; set rollout.n >= 2"
+        )
+    lower, upper = alg.rollout_is.threshold_lower, alg.rollout_is.threshold
+    if lower is not None and lower > upper:
+        raise ConfigError(
+            f"algorithm.rollout_is.threshold_lower={format_value(lower)} must be <= "
+            f"algorithm.rollout_is.threshold={format_value(upper)}"
+        )
+    buffer, budget = alg.overlong_buffer, cfg.rollout.max_response_length
+    if buffer.enable and buffer.len > budget:
+        raise ConfigError(
+            f"algorithm.overlong_buffer.len={buffer.len} must be <= "
+            f"rollout.max_response_length={budget} (the buffer is the end of that budget)"
+        )
+    if cfg.trainer.backend == "local" and cfg.trainer.workers != 1:
+        raise ConfigError(
+            f"trainer.workers={cfg.trainer.workers} needs trainer.backend=ray "
+            "(the local backend is one process)"
+        )
+    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
+        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature == 0:
+        raise ConfigError(
+            f"rollout.val_n={cfg.rollout.val_n} with rollout.val_temperature=0 validates with "
+            f"{cfg.rollout.val_n} identical greedy answers (pass@k would equal mean@1); set "
+            "rollout.val_temperature > 0 or rollout.val_n=1"
+        )
+    if not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
+
+
+def _check_paths(cfg: Config) -> None:
+    model = cfg.model
+    if model.path != "embedded" and not Path(model.path).is_dir():
+        raise ConfigError(
+            f"model.path={model.path!r} is neither 'embedded' nor an existing model directory"
+        )
+    if model.critic_path is not None and not Path(model.critic_path).is_dir():
+        raise ConfigError(f"model.critic_path={model.critic_path!r} is not an existing directory")
+    rm = cfg.reward.reward_model
+    if rm.enable and (rm.path is None or not Path(rm.path).is_dir()):
+        raise ConfigError(
+            f"reward.reward_model.enable=true needs reward.reward_model.path to be a model "
+            f"directory; got {format_value(rm.path)}"
+        )
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise a one-line ConfigError for the first setting ``cfg`` cannot train with."""
+    _check_choices(cfg)
+    _check_numbers(cfg)
+    _check_combinations(cfg)
+    _check_paths(cfg)
+
+
+# (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
+UnusedRule = tuple[Callable[[Config], bool], tuple[str, ...], Callable[[Config], str]]
+VLLM_KEYS = ("gpu_memory_utilization", "enable_sleep_mode", "vllm_dtype", "tensor_parallel_size")
+UNUSED_RULES: tuple[UnusedRule, ...] = (
+    (
+        lambda c: c.algorithm.adv_estimator != "gae",
+        ("critic.", "model.critic_path", "trainer.critic_warmup", "trainer.critic_placement"),
+        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
+    ),
+    (lambda c: not c.agent.enable, ("agent.",), lambda c: "agent.enable=false"),
+    (
+        lambda c: not c.algorithm.use_kl_in_reward,
+        ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),
+        lambda c: "algorithm.use_kl_in_reward=false",
+    ),
+    (
+        lambda c: not c.actor.use_kl_loss,
+        ("actor.kl_loss_type", "actor.kl_loss_coef"),
+        lambda c: "actor.use_kl_loss=false",
+    ),
+    *(
+        (
+            lambda c, s=section: not _get(c, f"algorithm.{s}.enable"),
+            (f"algorithm.{section}.",),
+            lambda c, s=section: f"algorithm.{s}.enable=false",
+        )
+        for section in ("rollout_is", "filter_groups", "overlong_buffer")
+    ),
+    (
+        lambda c: not c.reward.reward_model.enable,
+        ("reward.reward_model.",),
+        lambda c: "reward.reward_model.enable=false",
+    ),
+    (
+        lambda c: c.rollout.engine == "hf",
+        tuple(f"rollout.{key}" for key in VLLM_KEYS),
+        lambda c: "rollout.engine=hf (these are vllm settings)",
+    ),
+    (
+        lambda c: c.trainer.backend == "local",
+        ("trainer.ray.", "trainer.critic_placement"),
+        lambda c: "trainer.backend=local",
+    ),
+    (
+        lambda c: c.model.lora_rank == 0,
+        ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
+        lambda c: "model.lora_rank=0 (no LoRA)",
+    ),
+    (
+        lambda c: c.algorithm.kl_ctrl.type == "fixed",
+        ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
+        lambda c: "algorithm.kl_ctrl.type=fixed",
+    ),
+    (
+        lambda c: c.algorithm.adv_estimator != "gae",
+        ("algorithm.lam",),
+        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} is not GAE",
+    ),
+    (
+        lambda c: c.algorithm.adv_estimator not in GAMMA_ESTIMATORS,
+        ("algorithm.gamma",),
+        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} does not discount",
+    ),
+    (
+        lambda c: c.algorithm.adv_estimator not in STD_NORMALISED_ESTIMATORS,
+        ("algorithm.norm_adv_by_std_in_grpo",),
+        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} divides by no group std",
+    ),
+    (
+        lambda c: c.actor.policy_loss not in ("ppo", "vanilla"),
+        ("actor.clip_ratio_c",),
+        lambda c: f"actor.policy_loss={c.actor.policy_loss} has no dual clip",
+    ),
+    (
+        lambda c: c.actor.policy_loss != "sapo",
+        ("actor.tau_pos", "actor.tau_neg"),
+        lambda c: f"actor.policy_loss={c.actor.policy_loss} is not sapo",
+    ),
+    (
+        lambda c: c.actor.loss_agg_mode != "seq-mean-token-sum-norm",
+        ("actor.loss_scale_factor",),
+        lambda c: f"actor.loss_agg_mode={c.actor.loss_agg_mode} divides by no constant",
+    ),
+    (
+        lambda c: c.algorithm.filter_groups.enable,
+        ("reward.async_reward",),
+        lambda c: "algorithm.filter_groups.enable=true scores each generation batch before "
+        "choosing groups, so scoring cannot overlap the log-prob pass",
+    ),
+    *(
+        (
+            lambda c, s=section: not _get(c, f"{s}.use_dynamic_bsz"),
+            (f"{section}.max_token_len_per_device",),
+            lambda c, s=section: f"{s}.use_dynamic_bsz=false",
+        )
+        for section in ("actor", "critic")
+    ),
+    *(
+        (
+            lambda c, s=section: _get(c, f"{s}.optim.lr_scheduler") == "constant",
+            (f"{section}.optim.min_lr_ratio",),
+            lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
+        )
+        for section in ("actor", "critic")
+    ),
+)
+
+
+def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:
+    """One line per rule: the keys in ``explicit`` (given by the user) that ``cfg``'s mode will
+    not use, with their values and why, e.g. "critic.optim.lr=1e-05 is set but
+    algorithm.adv_estimator=grpo uses no critic"."""
+    lines = []
+    for applies, keys, reason in UNUSED_RULES:
+        if not applies(cfg):
+            continue
+        hit = sorted(
+            key
+            for key in explicit
+            if any(key.startswith(k) if k.endswith(".") else key == k for k in keys)
+            and not key.endswith(".enable")
+        )
+        if hit:
+            verb = "is" if len(hit) == 1 else "are"
+            settings = ", ".join(f"{key}={format_value(_get(cfg, key))}" for key in hit)
+            lines.append(f"{settings} {verb} set but {reason(cfg)}")
+    return lines
