@@ -363,3 +363,18 @@ def test_rollout_is_recomputes_old_log_probs(tmp_path: Path) -> None:
     trainer = RLTrainer(cfg)
     assert not trainer.reuse_rollout_log_probs
     trainer.close()
+
+
+def test_async_commands_default_to_spec_003_aggregation() -> None:
+    """Spec 003 averages each sequence's token terms over its length, then over the batch:
+    ``creditrl async``/``learner``/``sampler`` load with seq-mean-token-mean for the GRPO loss
+    and GSPO alike (it was token-mean for GRPO); an explicit setting still wins; the
+    synchronous trainer keeps token-mean."""
+    from creditrl.asynchronous.launcher import load_from_args
+    from creditrl.config.loader import load_config
+
+    assert load_from_args([])[0].actor.loss_agg_mode == "seq-mean-token-mean"
+    assert load_from_args(["preset=gspo"])[0].actor.loss_agg_mode == "seq-mean-token-mean"
+    explicit = load_from_args(["actor.loss_agg_mode=token-mean"])[0]
+    assert explicit.actor.loss_agg_mode == "token-mean"
+    assert load_config().actor.loss_agg_mode == "token-mean"

@@ -274,8 +274,11 @@ def test_every_shipped_kgqa_answer_is_in_the_graph() -> None:
 
 
 def test_python_sandbox_runs_and_confines(tmp_path: Path) -> None:
-    sandbox = PythonSandbox(timeout_s=10.0, max_output_chars=200)
-    short = PythonSandbox(timeout_s=1.0)
+    """Pins ``isolation: none`` (the unsafe opt-out, a plain subprocess): output, the output
+    cap, the timeout, the memory limit, and its audit hook's refusals (which code can undo;
+    tests/test_security.py pins the bubblewrap sandbox)."""
+    sandbox = PythonSandbox(timeout_s=10.0, max_output_chars=200, isolation="none")
+    short = PythonSandbox(timeout_s=1.0, isolation="none")
     outside = tmp_path / "escaped.txt"
 
     async def runs():

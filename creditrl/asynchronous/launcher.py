@@ -2,31 +2,57 @@
 ``asynchronous.num_samplers`` samplers as local subprocesses of one command.
 
 Each child runs ``python -m creditrl.cli learner|sampler`` with the same config file and
-overrides, plus the chosen ports. The launcher waits for learner rank 0; when it finishes it has
-told the samplers to stop, and stragglers are terminated after ``grace_s``. A learner rank
-failing stops everything; Ctrl-C terminates every child (each by its own pid).
+overrides, plus the chosen ports. Each child's stdout and stderr are shown as they come and
+copied to ``<output>/async/logs/<role>-<index>.log``. ``supervise`` polls every child: the run
+ends when learner rank 0 finishes (it has told the samplers to stop; stragglers are terminated
+after ``grace_s``), and within a poll interval of any child (learner rank or sampler) exiting
+with an error, at start-up or later: the launcher names its role, index and exit code, prints
+the last lines of its output, terminates the others (each by its own pid) and exits non-zero.
+Ctrl-C terminates every child.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.config import Config
-from creditrl.config.loader import load_config
+from creditrl.config.loader import load_config_with_sources
 
-__all__ = ["child_commands", "free_port", "launch", "load_from_args"]
+__all__ = [
+    "Child",
+    "child_commands",
+    "free_port",
+    "launch",
+    "load_from_args",
+    "start_child",
+    "supervise",
+]
 
 
-def load_from_args(items: list[str]) -> tuple[Config, Path | None, list[str]]:
-    """``[CONFIG.yaml] [key=value ...]`` -> (config, config file, overrides)."""
+def load_from_args(
+    items: list[str], warnings: list[str] | None = None
+) -> tuple[Config, Path | None, list[str]]:
+    """``[CONFIG.yaml] [key=value ...]`` -> (config, config file, overrides), loaded with the
+    async defaults (``mode="async"``: spec 003's ``seq-mean-token-mean`` aggregation unless
+    the preset, file or overrides say otherwise); the config's warnings are appended to
+    ``warnings`` when given."""
     config_file = Path(items[0]) if items and "=" not in items[0] else None
     overrides = items[1:] if config_file is not None else list(items)
-    return load_config(config_file, overrides), config_file, overrides
+    loaded = load_config_with_sources(config_file, overrides, mode="async")
+    if warnings is not None:
+        warnings.extend(loaded.warnings)
+    return loaded.config, config_file, overrides
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,17 +78,162 @@ def child_commands(
     return learners, samplers
 
 
-def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
+_TAIL_BYTES = 16384  # output kept per child for the report
+TAIL_LINES = 20
+
+
+@dataclass
+class Child:
+    """One child process, its role (``learner`` rank / ``sampler`` index), its log and the
+    tail of its output."""
+
+    role: str
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+    tail: bytearray = field(default_factory=bytearray)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """``learner rank 0`` / ``sampler 1 (s1)``."""
+        if self.role == "learner":
+            return f"learner rank {self.index}"
+        return f"sampler {self.index} ({sampler_id_of(self.index)})"
+
+    def last_lines(self, count: int = TAIL_LINES) -> list[str]:
+        """The last ``count`` lines of its output (progress-bar redraws collapsed)."""
+        for reader in self.readers:
+            reader.join(timeout=2.0)  # what it wrote just before exiting
+        with self.lock:
+            text = bytes(self.tail).decode("utf-8", errors="replace")
+        lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.splitlines()]
+        return [line for line in lines if line][-count:]
+
+
+def _pump(child: Child, stream: BinaryIO, echo: BinaryIO | None) -> None:
+    """Copy one output stream of a child to ``echo`` as it comes, and whole lines of it to its
+    log file and tail (so stdout and stderr interleave by line there)."""
+    partial = b""
+    with child.log_path.open("ab") as log_file:
+        while True:
+            chunk = os.read(stream.fileno(), 65536)
+            if echo is not None and chunk:
+                try:
+                    echo.write(chunk)
+                    echo.flush()
+                except (OSError, ValueError):  # the terminal went away: keep logging
+                    echo = None
+            partial += chunk
+            cut = max(partial.rfind(b"\n"), partial.rfind(b"\r")) + 1
+            if not chunk or len(partial) > _TAIL_BYTES:  # the end, or a very long line
+                cut = len(partial)
+            if cut:
+                with child.lock:
+                    log_file.write(partial[:cut])
+                    log_file.flush()
+                    child.tail += partial[:cut]
+                    del child.tail[:-_TAIL_BYTES]
+                partial = partial[cut:]
+            if not chunk:
+                break
+    stream.close()
+
+
+def start_child(
+    role: str,
+    index: int,
+    cmd: Sequence[str],
+    log_dir: Path,
+    echo: tuple[BinaryIO | None, BinaryIO | None] | None = None,
+) -> Child:
+    """Start ``cmd``; its stdout and stderr are shown on ``echo`` (the launcher's own by
+    default) and appended to ``log_dir/<role>-<index>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # live output, and all of it at a crash
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    child = Child(role, index, proc, log_dir / f"{role}-{index}.log")
+    if echo is None:
+        echo = (getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None))
+    for stream, target in zip((proc.stdout, proc.stderr), echo, strict=True):
+        reader = threading.Thread(target=_pump, args=(child, stream, target), daemon=True)
+        reader.start()
+        child.readers.append(reader)
+    return child
+
+
+def _terminate(children: Sequence[Child], grace_s: float) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
     deadline = time.monotonic() + grace_s
-    for p in procs:
+    for c in children:
         try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            c.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            c.proc.kill()
+            c.proc.wait()
+
+
+def _exit_status(code: int) -> tuple[int, str]:
+    """(the launcher's exit code, words) for a child's return code (negative: a signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return 128 - code, f"was killed by {name}"
+    return code, f"exited with code {code}"
+
+
+def _report(child: Child, console: Any) -> int:
+    code, words = _exit_status(int(child.proc.returncode))
+    console.print(
+        f"[red]async:[/red] {child.name} {words}; stopping the run (log: {child.log_path})",
+        markup=True,
+    )
+    lines = child.last_lines()
+    if lines:
+        console.print(f"last {len(lines)} line(s) of {child.name}:", markup=False)
+        for line in lines:
+            console.print(f"  | {line}", markup=False, highlight=False)
+    console.print(
+        "async: rerun the same command to resume (the learner from its last checkpoint, the "
+        "samplers resend their unacknowledged groups)",
+        markup=False,
+    )
+    return code
+
+
+def supervise(
+    learners: Sequence[Child],
+    samplers: Sequence[Child],
+    console: Any,
+    grace_s: float = 60.0,
+    poll_s: float = 0.2,
+) -> int:
+    """Wait for learner rank 0; end the run as soon as any child exits with an error (see the
+    module docstring). Returns 0, the failed child's exit code, or 128 + signal number."""
+    everyone = [*learners, *samplers]
+    try:
+        while True:
+            failed = [c for c in everyone if c.proc.poll() not in (None, 0)]
+            if failed:
+                code = _report(failed[0], console)
+                _terminate(everyone, 10.0)
+                return code
+            if learners[0].proc.poll() == 0:
+                break
+            time.sleep(poll_s)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in everyone):
+            time.sleep(poll_s)
+        _terminate(everyone, 10.0)
+        return 0
+    except KeyboardInterrupt:
+        _terminate(everyone, 10.0)
+        return 130
 
 
 def launch(
@@ -72,33 +243,13 @@ def launch(
     console: Any,
     grace_s: float = 60.0,
 ) -> int:
-    """Run the learner(s) and samplers to completion; returns learner rank 0's exit code."""
+    """Run the learner(s) and samplers to completion under ``supervise``; returns its code."""
     learner_cmds, sampler_cmds = child_commands(cfg, config_file, overrides)
+    log_dir = Path(cfg.trainer.output_dir) / "async" / "logs"
     console.print(
         f"async: {len(learner_cmds)} learner rank(s) + {len(sampler_cmds)} sampler(s), "
-        f"output in {cfg.trainer.output_dir}"
+        f"output in {cfg.trainer.output_dir}, process logs in {log_dir}"
     )
-    learners = [subprocess.Popen(cmd) for cmd in learner_cmds]
-    samplers = [subprocess.Popen(cmd) for cmd in sampler_cmds]
-    try:
-        while learners[0].poll() is None:
-            failed = [p for p in learners if p.poll() not in (None, 0)]
-            if failed:
-                console.print(
-                    f"[red]async:[/red] a learner rank exited with {failed[0].returncode}"
-                )
-                _terminate(learners + samplers, 10.0)
-                return int(failed[0].returncode)
-            time.sleep(0.5)
-        code = int(learners[0].returncode)
-        if code != 0:
-            _terminate(learners + samplers, 10.0)
-            return code
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in learners + samplers):
-            time.sleep(0.5)
-        _terminate(learners + samplers, 10.0)
-        return code
-    except KeyboardInterrupt:
-        _terminate(learners + samplers, 10.0)
-        return 130
+    learners = [start_child("learner", r, cmd, log_dir) for r, cmd in enumerate(learner_cmds)]
+    samplers = [start_child("sampler", i, cmd, log_dir) for i, cmd in enumerate(sampler_cmds)]
+    return supervise(learners, samplers, console, grace_s)

@@ -2,9 +2,14 @@
 
 One step, top to bottom (``Learner.fit``):
 
-1. ``collect``: receive groups until ``data.train_batch_size`` of them are buffered; groups
-   whose staleness (learner version - sampling version) exceeds ``max_staleness`` are dropped,
-   counted and acknowledged ``stale``; a group seen before is acknowledged ``duplicate``;
+1. ``collect``: receive groups until ``data.train_batch_size`` of them are buffered; every
+   message is checked first (``validation``): one that fails (or that the learner fails on
+   before it joins a batch) is acknowledged ``rejected``, counted (``async/rejected``,
+   ``async/rejected/<reason>``) and logged with its sender and seq, and a sender rejected
+   ``asynchronous.max_rejects`` times is disconnected (every later message of it is answered
+   ``disconnected`` and otherwise ignored); groups whose staleness (learner version - sampling
+   version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale``; a group
+   seen before is acknowledged ``duplicate``;
 2. concatenate the oldest groups into one Batch (``staleness`` per sample) and, with several
    learner ranks, scatter whole groups over torch.distributed;
 3. ``update`` (every rank): ``old_log_probs`` (the behaviour log-probs for on-policy rows,
@@ -40,8 +45,20 @@ import torch
 from rich.console import Console
 
 from creditrl.asynchronous.delivery import AckJournal, DeliveryLedger
-from creditrl.asynchronous.messages import Message, MessageError, ack_message, encode
-from creditrl.asynchronous.settings import check_async_config, needs_reference, weight_root
+from creditrl.asynchronous.messages import (
+    Message,
+    MessageError,
+    ack_message,
+    check_sampler_id,
+    encode,
+    reject_message,
+)
+from creditrl.asynchronous.settings import (
+    check_async_config,
+    max_message_bytes,
+    needs_reference,
+    weight_root,
+)
 from creditrl.asynchronous.staleness import (
     BufferedGroup,
     GroupBuffer,
@@ -49,6 +66,7 @@ from creditrl.asynchronous.staleness import (
     staleness_metrics,
 )
 from creditrl.asynchronous.transport import LearnerSocket
+from creditrl.asynchronous.validation import GroupLimits
 from creditrl.asynchronous.weights import WeightPublisher
 from creditrl.batch import Batch
 from creditrl.config import Config
@@ -71,7 +89,7 @@ from creditrl.tracking import (
     response_info,
 )
 from creditrl.trainers import stages
-from creditrl.trainers.checkpoint import CheckpointManager
+from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.workers import ActorWorker
 from creditrl.workers.checkpoint_io import load_trainable, save_trainable
 from creditrl.workers.hybrid import ADDITIVE_METRICS
@@ -79,6 +97,7 @@ from creditrl.workers.hybrid import ADDITIVE_METRICS
 __all__ = ["ADDITIVE_METRICS", "AsyncRolloutDumper", "Learner"]
 
 log = logging.getLogger(__name__)
+_DRAIN = 256  # messages handled per receive call, so a flood never starves the step loop
 
 
 class AsyncRolloutDumper(RolloutDumper):
@@ -133,6 +152,15 @@ class Learner:
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(model_path)
         self._build_models(model_path)
+        optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
+                    "rm_scores": cfg.reward.reward_model.enable}  # fmt: skip
+        self.limits = GroupLimits(
+            n=self.n,
+            vocab_size=self.vocab_size,
+            max_prompt=cfg.data.max_prompt_length,
+            max_response=cfg.rollout.max_response_length,
+            optional=frozenset(name for name, sent in optional.items() if sent),
+        )
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,
@@ -144,6 +172,9 @@ class Learner:
         self.journal = AckJournal(self.out / "async" / "acks.jsonl")
         self.buffer = GroupBuffer(a.max_staleness)
         self.counters: dict[str, int] = defaultdict(int)
+        self.counters["rejected"] = 0
+        self.rejects: dict[str, int] = defaultdict(int)  # rejected messages per sender
+        self.blocked: set[str] = set()  # senders disconnected after max_rejects rejections
         self.samplers: set[str] = set()
         self.incarnation = uuid.uuid4().hex
         self.step = 0
@@ -151,6 +182,7 @@ class Learner:
         self.resume_report: dict[str, int] = {}
         self.socket: LearnerSocket | None = None
         if self.main:
+            prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
             self.out.mkdir(parents=True, exist_ok=True)
             self.publisher = WeightPublisher(weight_root(cfg), a.keep_weight_versions, a.lora_sync)
             self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
@@ -161,6 +193,9 @@ class Learner:
     def _build_models(self, model_path: Path) -> None:
         cfg = self.cfg
         policy = load_causal_lm(model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
+        # token ids a group may hold: those the embedding accepts (>= len(tokenizer) when the
+        # model pads its vocabulary, and sampling can pick the padded rows)
+        self.vocab_size = max(policy.get_input_embeddings().num_embeddings, len(self.tokenizer))
         self.ref = None
         if cfg.model.lora_rank > 0:
             policy = apply_lora(
@@ -211,8 +246,12 @@ class Learner:
     def maybe_resume(self) -> bool:
         """Restore the latest checkpoint (every rank); rank 0 rebuilds the ledger from the
         journal and reports the in-flight episodes whose updates were lost."""
-        latest = self.checkpoints.latest()
-        if latest is None or self.cfg.trainer.resume == "never":
+        if self.cfg.trainer.resume == "never":
+            return False
+        latest = self.checkpoints.latest(report=self.main)
+        if latest is None:  # a rerun of a run killed before its first checkpoint starts over
+            if self.main:
+                self.tracker.truncate_after(-1)
             return False
 
         def read(directory: str, meta: dict[str, Any]) -> None:
@@ -249,38 +288,93 @@ class Learner:
         pairs = [(seq, status) for seq, status, _ in acks]
         self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs))
 
-    def _handle(self, sender: str, message: Message) -> None:
-        self.samplers.add(sender)
+    def _handle(self, sender: str, message: Message) -> int:
+        """Act on one message that decoded; returns 1 for a group that passed every check."""
+        if sender in self.blocked:
+            self._refuse(sender)
+            return 0
         if message.kind == "hello":
+            self.samplers.add(sender)
             header = {"incarnation": self.incarnation, "weight_version": self.version}
             self.socket.send(sender, encode("welcome", header))
-            return
+            return 0
         if message.kind != "episodes":
-            self.counters["bad_messages"] += 1
-            log.warning("learner: unexpected %r message from %s skipped", message.kind, sender)
-            return
+            err = MessageError(f"a sampler may not send {message.kind!r} messages", "protocol")
+            self._reject(sender, err)
+            return 0
         seq, batch = int(message.header["seq"]), message.batch
+        try:
+            group = BufferedGroup(sender, seq, int(message.header["weight_version"]), batch)
+            self.limits.check(batch, sender, seq, group.version, self.version)
+        except MessageError as e:
+            e.seq = seq
+            self._reject(sender, e)
+            return 0
+        except Exception as e:  # a failure on one group never ends the run
+            log.exception("learner: failed on group %s:%d before it joined a batch", sender, seq)
+            self._reject(sender, MessageError(f"{type(e).__name__}: {e}", "error", seq))
+            return 0
+        self.samplers.add(sender)
         if self.ledger.consumed(sender, seq):
             self.counters["duplicate_groups"] += 1
             self._ack(sender, [(seq, "duplicate", len(batch))], journal=False)
-            return
+            return 1
         if self.buffer.holds(sender, seq):
             self.counters["duplicate_groups"] += 1
-            return
-        group = BufferedGroup(sender, seq, int(message.header["weight_version"]), batch)
+            return 1
         self.counters["received_groups"] += 1
-        if group.version > self.version:
-            self.counters["rejected_groups"] += 1
-            log.warning(
-                "learner: group %s:%d claims weight version %d > the learner's %d; rejected",
-                sender, seq, group.version, self.version,
-            )  # fmt: skip
-            self._ack(sender, [(seq, "rejected", len(batch))])
-            return
         if self.buffer.is_stale(group, self.version):
             self._drop_stale([group])
         else:
             self.buffer.add(group)
+        return 1
+
+    def _reject(self, sender: str, err: MessageError) -> None:
+        """Count, log and acknowledge a rejected message; disconnect a sender rejected
+        ``asynchronous.max_rejects`` times. A group with a seq from a valid sampler id is
+        journaled and marked consumed, like every other acknowledged group."""
+        if sender in self.blocked:
+            self._refuse(sender)
+            return
+        self.counters["rejected"] += 1
+        self.counters[f"rejected/{err.reason}"] += 1
+        self.rejects[sender] += 1
+        log.warning(
+            "learner: rejected message from sampler %r (seq %s, reason %s): %s",
+            sender, err.seq, err.reason, err,
+        )  # fmt: skip
+        seq = err.seq
+        try:
+            check_sampler_id(sender)
+            valid_sender = True
+        except MessageError:
+            valid_sender = False
+        if seq is not None and valid_sender and not self.ledger.consumed(sender, seq):
+            self.journal.record(self.step, sender, [(seq, "rejected", 0)])
+            self.ledger.add(sender, seq)
+        self.socket.send(sender, reject_message(self.incarnation, self.version, seq, err.reason))
+        limit = self.cfg.asynchronous.max_rejects
+        if limit and self.rejects[sender] >= limit:
+            self.blocked.add(sender)
+            self.samplers.discard(sender)
+            self.counters["disconnected_samplers"] += 1
+            log.error(
+                "learner: sampler %r disconnected after %d rejected messages "
+                "(asynchronous.max_rejects=%d); its further messages are ignored",
+                sender, self.rejects[sender], limit,
+            )  # fmt: skip
+            self._refuse(sender, ignored=False)
+
+    def _refuse(self, sender: str, ignored: bool = True) -> None:
+        """Answer a disconnected sender ``disconnected`` and nothing else (``ignored``: the
+        message it answers is counted as ignored)."""
+        self.counters["ignored_messages"] += int(ignored)
+        reason = (
+            f"disconnected after {self.rejects[sender]} rejected messages "
+            f"(asynchronous.max_rejects={self.cfg.asynchronous.max_rejects})"
+        )
+        header = {"reason": reason, "rejected": self.rejects[sender]}
+        self.socket.send(sender, encode("disconnected", header))
 
     def _drop_stale(self, groups: list[BufferedGroup]) -> None:
         by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
@@ -292,22 +386,27 @@ class Learner:
             self._ack(sampler_id, acks)
 
     def _receive(self, timeout_s: float) -> int:
-        """Handle the messages arriving within ``timeout_s``; returns how many."""
-        count = 0
-        while True:
+        """Handle the messages arriving within ``timeout_s`` (at most ``_DRAIN``); returns how
+        many groups passed the checks."""
+        groups = 0
+        for handled in range(_DRAIN):
             try:
-                got = self.socket.recv(timeout_s if count == 0 else 0.0)
+                got = self.socket.recv(timeout_s if handled == 0 else 0.0)
             except MessageError as e:
-                self.counters["bad_messages"] += 1
-                log.warning(
-                    "learner: bad message from %s skipped: %s", getattr(e, "sampler_id", "?"), e
-                )
-                count += 1
+                self._reject(e.sender if e.sender is not None else "?", e)
                 continue
             if got is None:
-                return count
-            self._handle(*got)
-            count += 1
+                break
+            groups += self._handle(*got)
+        dropped = self.socket.disconnects()
+        if dropped:
+            self.counters["peer_disconnects"] += dropped
+            log.info(
+                "learner: %d sampler connection(s) closed (a sampler exiting, or one sending a "
+                "frame over %d bytes: asynchronous.max_message_mb)",
+                dropped, max_message_bytes(self.cfg),
+            )  # fmt: skip
+        return groups
 
     def collect(self) -> list[BufferedGroup]:
         """Block until ``data.train_batch_size`` fresh-enough groups are buffered; take them."""
@@ -462,7 +561,9 @@ class Learner:
         began = time.perf_counter()
         self.maybe_resume()
         if self.main:
-            self.socket = LearnerSocket(cfg.asynchronous, port=self.port)
+            self.socket = LearnerSocket(
+                cfg.asynchronous, port=self.port, max_message_bytes=max_message_bytes(cfg)
+            )
             published = self.publisher.latest()
             if published is not None and published >= self.version:
                 # versions published before a crash (or by an earlier run) are never reused:

@@ -2,13 +2,17 @@
 
 A message is the ZeroMQ multipart ``[PROTOCOL, header JSON, payload?]``. The payload of an
 ``episodes`` message is ``Batch.to_bytes()`` (a JSON header and a safetensors payload); nothing
-on the wire is ever pickled, and decoding checks every field before the learner trusts it.
+on the wire is ever pickled, and decoding checks every field before the learner trusts it
+(``creditrl.asynchronous.validation``).
 
 Kinds (sampler -> learner): ``hello`` {sampler_id, pending}, ``episodes`` {sampler_id, seq,
 weight_version, episode_ids} + payload. (learner -> sampler): ``welcome`` {incarnation,
-weight_version}, ``ack`` {incarnation, weight_version, acks: [{seq, status}]}, ``stop``
-{reason}. ``seq`` numbers a sampler's groups 0, 1, 2, ...; the episode ids of group ``seq`` of
-sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its k-th answer.
+weight_version}, ``ack`` {incarnation, weight_version, acks: [{seq, status, reason?}]},
+``stop`` {reason}, ``disconnected`` {reason, rejected}. ``seq`` numbers a sampler's groups 0,
+1, 2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its
+k-th answer. A ``rejected`` acknowledgement names its ``reason`` (``validation.REASONS``) and
+has ``seq`` null when the message carried no readable one. ``disconnected`` tells a sampler
+that the learner ignores it from now on (too many rejected messages).
 
 Fields a group carries beyond the catalogue (``creditrl.batch.FIELDS``), documented here:
 
@@ -27,12 +31,19 @@ from typing import Any
 
 import torch
 
+from creditrl.asynchronous.validation import (
+    EPISODE_FIELDS,
+    REASONS,
+    MessageError,
+    check_payload,
+)
 from creditrl.batch import Batch
 
 __all__ = [
     "ACK_STATUSES",
     "EPISODE_FIELDS",
     "KINDS",
+    "MAX_INT",
     "PROTOCOL",
     "Message",
     "MessageError",
@@ -42,29 +53,16 @@ __all__ = [
     "episode_ids",
     "episodes_message",
     "group_of",
+    "reject_message",
 ]
 
 PROTOCOL = b"creditrl.async/1"
-KINDS = ("hello", "episodes", "welcome", "ack", "stop")
+KINDS = ("hello", "episodes", "welcome", "ack", "stop", "disconnected")
 ACK_STATUSES = ("trained", "stale", "duplicate", "rejected")
-# Tensors every episode group must hold (shapes checked against ``responses``).
-EPISODE_FIELDS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "prompts",
-    "responses",
-    "response_mask",
-    "rollout_log_probs",
-    "token_level_scores",
-    "weight_version",
-)
+MAX_INT = 2**53  # header integers stay below this (exact in JSON everywhere)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _MAX_HEADER = 1 << 20
-
-
-class MessageError(ValueError):
-    """A message that does not follow the protocol (the learner counts and skips it)."""
+_EPISODES_HEADER = {"kind", "sampler_id", "seq", "weight_version", "episode_ids"}
 
 
 @dataclass
@@ -84,7 +82,9 @@ def episode_ids(sampler_id: str, seq: int, n: int) -> list[str]:
 def check_sampler_id(sampler_id: Any) -> str:
     """``sampler_id`` if it is 1-64 characters of [A-Za-z0-9_.-]; MessageError otherwise."""
     if not isinstance(sampler_id, str) or not _ID.match(sampler_id):
-        raise MessageError(f"sampler_id {sampler_id!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        raise MessageError(
+            f"sampler_id {sampler_id!r:.80} must be 1-64 characters of [A-Za-z0-9_.-]", "header"
+        )
     return sampler_id
 
 
@@ -123,90 +123,102 @@ def ack_message(incarnation: str, weight_version: int, acks: list[tuple[int, str
     )
 
 
-def _int(header: dict[str, Any], key: str, minimum: int = 0) -> int:
+def reject_message(
+    incarnation: str, weight_version: int, seq: int | None, reason: str
+) -> list[bytes]:
+    """Frames acknowledging one message ``rejected`` for ``reason`` (``seq`` None: unknown)."""
+    if reason not in REASONS:
+        raise ValueError(f"unknown rejection reason {reason!r}")
+    body = [{"seq": None if seq is None else int(seq), "status": "rejected", "reason": reason}]
+    return encode(
+        "ack", {"incarnation": incarnation, "weight_version": weight_version, "acks": body}
+    )
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < MAX_INT
+
+
+def _int(header: dict[str, Any], key: str) -> int:
     value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise MessageError(f"header field {key!r} must be an int >= {minimum}, got {value!r}")
+    if not _is_int(value):
+        raise MessageError(
+            f"header field {key!r} must be an int in [0, 2**53), got {value!r:.80}", "header"
+        )
     return value
 
 
 def _check_episodes(header: dict[str, Any], payload: bytes) -> Batch:
+    unknown = sorted(set(header) - _EPISODES_HEADER)
+    if unknown:
+        raise MessageError(f"episodes header has unknown fields {unknown}", "header")
     sampler_id = check_sampler_id(header.get("sampler_id"))
     seq = _int(header, "seq")
     version = _int(header, "weight_version")
     ids = header.get("episode_ids")
     if not isinstance(ids, list) or not ids:
-        raise MessageError("header field 'episode_ids' must be a non-empty list")
+        raise MessageError("header field 'episode_ids' must be a non-empty list", "header")
     if ids != episode_ids(sampler_id, seq, len(ids)):
-        raise MessageError(f"episode_ids of group {sampler_id}:{seq} are not '<sampler>:<seq>:<k>'")
-    try:
-        group = Batch.from_bytes(payload)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise MessageError(f"group {sampler_id}:{seq}: payload is not a creditrl batch: {e}") from e
-    if len(group) != len(ids):
-        raise MessageError(f"group {sampler_id}:{seq} has {len(group)} rows for {len(ids)} ids")
-    missing = [name for name in EPISODE_FIELDS if name not in group.tensors]
-    if missing:
-        raise MessageError(f"group {sampler_id}:{seq} lacks tensor fields {missing}")
-    for name in ("uid", "episode_id"):
-        if name not in group.non_tensors:
-            raise MessageError(f"group {sampler_id}:{seq} lacks non-tensor field {name!r}")
-    if list(group["episode_id"]) != ids:
-        raise MessageError(f"group {sampler_id}:{seq}: episode_id field differs from the header")
-    if len(set(group["uid"].tolist())) != 1:
-        raise MessageError(f"group {sampler_id}:{seq} is not one prompt group (several uids)")
-    if not bool((group["weight_version"] == version).all()):
-        raise MessageError(f"group {sampler_id}:{seq}: weight_version differs from the header")
-    t = group["responses"].shape
-    for name in ("response_mask", "rollout_log_probs", "token_level_scores", "ref_log_prob"):
-        if name in group.tensors and group[name].shape != t:
-            raise MessageError(
-                f"group {sampler_id}:{seq}: {name} {tuple(group[name].shape)} != {t}"
-            )
-    width = group["prompts"].shape[1] + t[1]
-    for name in ("input_ids", "attention_mask", "position_ids"):
-        if group[name].shape != (len(group), width):
-            raise MessageError(
-                f"group {sampler_id}:{seq}: {name} is not (B, P+T) = ({len(group)}, {width})"
-            )
-    for name in ("rollout_log_probs", "token_level_scores"):
-        if not torch.isfinite(group[name]).all():
-            raise MessageError(f"group {sampler_id}:{seq}: {name} holds non-finite values")
-    return group
+        raise MessageError(
+            f"episode_ids of group {sampler_id}:{seq} are not '<sampler>:<seq>:<k>'", "header"
+        )
+    return check_payload(payload, sampler_id, seq, version, ids)
 
 
-def decode(frames: list[bytes]) -> Message:
-    """Check and decode frames from the wire; MessageError names what is wrong."""
+def _ack_ok(entry: Any) -> bool:
+    if not isinstance(entry, dict) or entry.get("status") not in ACK_STATUSES:
+        return False
+    seq = entry.get("seq")
+    seq_ok = _is_int(seq) or (seq is None and entry["status"] == "rejected")
+    return seq_ok and isinstance(entry.get("reason", ""), str)
+
+
+def _check_ack(header: dict[str, Any]) -> None:
+    acks = header.get("acks")
+    if not isinstance(acks, list) or not all(_ack_ok(a) for a in acks):
+        raise MessageError("ack header needs 'acks': [{seq: int, status: str, reason?: str}]")
+
+
+def _header(frames: list[bytes]) -> dict[str, Any]:
     if len(frames) < 2 or bytes(frames[0]) != PROTOCOL:
         raise MessageError(f"not a {PROTOCOL.decode()} message ({len(frames)} frames)")
     raw = bytes(frames[1])
     if len(raw) > _MAX_HEADER:
-        raise MessageError(f"header of {len(raw)} bytes exceeds {_MAX_HEADER}")
+        raise MessageError(f"header of {len(raw)} bytes exceeds {_MAX_HEADER}", "header")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MessageError(f"header is not JSON: {e}") from e
+        header = json.loads(raw, parse_constant=refuse)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are these
+        raise MessageError(f"header is not JSON: {e!s:.200}", "header") from None
     if not isinstance(header, dict) or header.get("kind") not in KINDS:
         raise MessageError(f"header has no known 'kind' (kinds: {KINDS})")
+    return header
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Check and decode frames from the wire; MessageError names what is wrong (its ``reason``
+    and, when the header gave one, the group's ``seq``)."""
+    header = _header(frames)
     kind = header["kind"]
-    if kind == "episodes":
-        if len(frames) != 3:
-            raise MessageError(f"an episodes message has 3 frames, got {len(frames)}")
-        return Message(kind, header, _check_episodes(header, bytes(frames[2])))
-    if len(frames) != 2:
-        raise MessageError(f"a {kind} message has 2 frames, got {len(frames)}")
-    if kind == "hello":
-        check_sampler_id(header.get("sampler_id"))
-    if kind == "ack":
-        acks = header.get("acks")
-        if not isinstance(acks, list) or not all(
-            isinstance(a, dict)
-            and isinstance(a.get("seq"), int)
-            and a.get("status") in ACK_STATUSES
-            for a in acks
-        ):
-            raise MessageError("ack header needs 'acks': [{seq: int, status: str}]")
-    return Message(kind, header)
+    seq = header.get("seq") if _is_int(header.get("seq")) else None
+    try:
+        if kind == "episodes":
+            if len(frames) != 3:
+                raise MessageError(f"an episodes message has 3 frames, got {len(frames)}")
+            return Message(kind, header, _check_episodes(header, bytes(frames[2])))
+        if len(frames) != 2:
+            raise MessageError(f"a {kind} message has 2 frames, got {len(frames)}")
+        if kind == "hello":
+            check_sampler_id(header.get("sampler_id"))
+        if kind == "ack":
+            _check_ack(header)
+        return Message(kind, header)
+    except MessageError as e:
+        e.seq = seq
+        raise
 
 
 def group_of(batch: Batch, sampler_id: str, seq: int, weight_version: int) -> Batch:

@@ -3,13 +3,17 @@
 
 One batch of the loop, top to bottom (``Sampler.run``):
 
-1. handle what the learner sent (acknowledgements drop groups from the outbox; ``stop`` ends
-   the loop; a new learner incarnation means it restarted: resend everything unacknowledged);
+1. handle what the learner sent (acknowledgements drop groups from the outbox, ``rejected``
+   ones too, logged and counted: a rejected group is never resent; ``stop`` ends the loop;
+   ``disconnected`` ends it with exit code 1; a new learner incarnation means it restarted:
+   resend everything unacknowledged);
 2. wait while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging);
 3. load the newest published weights, if newer (between batches, never inside one);
 4. ``produce``: draw prompts, generate, score, reference log-probs (``ref_on=sampler``), split
    into groups stamped with episode ids and the weight version that sampled them;
-5. save each group to the outbox, save the data position, send the groups.
+5. save each group to the outbox, save the data position, send the groups (a group larger
+   than the learner accepts, ``settings.max_message_bytes``, is dropped here, logged and
+   counted, instead of being dropped unseen by the learner's socket).
 
 ``rollout_log_probs`` (from the engine, exact under the behaviour policy at the sampling
 temperature) are the behaviour policy's log-probs the learner's corrections need.
@@ -35,6 +39,7 @@ from creditrl.asynchronous.messages import (
 )
 from creditrl.asynchronous.settings import (
     check_async_config,
+    max_message_bytes,
     needs_reference,
     sampler_id_of,
     state_root,
@@ -129,6 +134,9 @@ class Sampler:
         self.incarnation: str | None = None
         self.last_heard = time.monotonic()
         self.stopped = False
+        self.exit_code = 0
+        self.max_message = max_message_bytes(cfg)
+        self.rejected = 0  # groups the learner rejected, or too large to send
         self.batches = 0
         self.socket: SamplerSocket | None = None
 
@@ -201,15 +209,48 @@ class Sampler:
             encode("hello", {"sampler_id": self.sampler_id, "pending": self.outbox.pending()})
         )
 
+    def _send_group(self, seq: int, group: Batch) -> None:
+        frames = episodes_message(self.sampler_id, seq, group)
+        size = max(len(f) for f in frames)
+        if size > self.max_message:
+            self.rejected += 1
+            log.error(
+                "%s: group %d is %d bytes, above the %d the learner accepts; dropped (raise "
+                "asynchronous.max_message_mb)", self.sampler_id, seq, size, self.max_message,
+            )  # fmt: skip
+            self.outbox.ack(seq, "too_large")
+            return
+        self._send(frames)
+
     def _resend_pending(self) -> None:
         for seq in self.outbox.pending():
-            self._send(episodes_message(self.sampler_id, seq, self.outbox.load(seq)))
+            self._send_group(seq, self.outbox.load(seq))
+
+    def _on_ack(self, entry: dict[str, Any]) -> None:
+        seq, status = entry["seq"], entry["status"]
+        if status == "rejected":
+            self.rejected += 1
+            log.warning(
+                "%s: the learner rejected group %s (reason %s); dropped from the outbox",
+                self.sampler_id, seq, entry.get("reason", "?"),
+            )  # fmt: skip
+        if seq is not None:
+            self.outbox.ack(int(seq), status)
 
     def _on_message(self, message: Message) -> None:
         self.last_heard = time.monotonic()
         incarnation = message.header.get("incarnation")
         if message.kind == "stop":
             self.stopped = True
+            return
+        if message.kind == "disconnected":
+            self.console.print(
+                f"[red]sampler {self.sampler_id}:[/red] the learner disconnected this sampler: "
+                f"{message.header.get('reason', '?')!s:.200}; check that the sampler runs the "
+                "learner's code and config (rejected groups are logged by the learner)"
+            )
+            self.stopped = True
+            self.exit_code = 1
             return
         if incarnation is not None and incarnation != self.incarnation:
             restarted = self.incarnation is not None
@@ -221,7 +262,7 @@ class Sampler:
                 self._resend_pending()
         if message.kind == "ack":
             for entry in message.header["acks"]:
-                self.outbox.ack(int(entry["seq"]), entry["status"])
+                self._on_ack(entry)
 
     def _drain(self, timeout_s: float) -> bool:
         """Handle every message that arrives within ``timeout_s``; True if any did."""
@@ -247,10 +288,10 @@ class Sampler:
                 raise RuntimeError(f"group numbered {group['episode_id'][0]} saved as seq {seq}")
         self.outbox.save_state(self.data.state_dict())
         for group in groups:
-            seq = int(group["episode_id"][0].split(":")[1])
-            self._send(episodes_message(self.sampler_id, seq, group))
+            self._send_group(int(group["episode_id"][0].split(":")[1]), group)
         self.batches += 1
         metrics["sampler/inflight_groups"] = float(len(self.outbox.pending()))
+        metrics["sampler/rejected_groups"] = float(self.rejected)
         self.tracker.log(metrics, step=self.batches)
 
     def run(self, max_batches: int | None = None) -> int:
@@ -290,7 +331,7 @@ class Sampler:
         finally:
             self.close()
         self.console.print(f"sampler {self.sampler_id}: stopped after {self.batches} batch(es)")
-        return 0
+        return self.exit_code
 
     def close(self) -> None:
         """Close the socket, the reward workers and the metrics file."""

@@ -6,7 +6,16 @@ from pathlib import Path
 
 from creditrl.config import Config
 
-__all__ = ["check_async_config", "needs_reference", "sampler_id_of", "state_root", "weight_root"]
+__all__ = [
+    "check_async_config",
+    "max_message_bytes",
+    "needs_reference",
+    "sampler_id_of",
+    "state_root",
+    "weight_root",
+]
+
+_MIB = 1 << 20
 
 
 def sampler_id_of(index: int) -> str:
@@ -29,6 +38,20 @@ def state_root(cfg: Config) -> Path:
 def needs_reference(cfg: Config) -> bool:
     """True when the loss or the reward uses the reference policy's log-probs."""
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def max_message_bytes(cfg: Config) -> int:
+    """The largest message frame the learner's socket accepts (libzmq's ``MAXMSGSIZE``).
+
+    ``asynchronous.max_message_mb`` when > 0; else sized for one group of this run: per answer
+    256 bytes per prompt + response token (about 4x the tensors a group holds) plus 64 KiB for
+    its text columns, ``rollout.n`` answers, 1 MiB of slack, and never below 8 MiB."""
+    mb = cfg.asynchronous.max_message_mb
+    if mb > 0:
+        return int(mb * _MIB)
+    tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    per_answer = 256 * tokens + 64 * 1024
+    return max(cfg.rollout.n * per_answer + _MIB, 8 * _MIB)
 
 
 def check_async_config(cfg: Config) -> None:
@@ -62,6 +85,11 @@ def check_async_config(cfg: Config) -> None:
             f"asynchronous.max_inflight_groups={a.max_inflight_groups} x num_samplers="
             f"{a.num_samplers} is below the {cfg.data.train_batch_size} groups a learner step "
             "needs (data.train_batch_size): the samplers would wait for acknowledgements forever"
+        )
+    if a.max_message_mb < 0 or a.max_rejects < 0:
+        raise ValueError(
+            f"asynchronous.max_message_mb={a.max_message_mb} and max_rejects={a.max_rejects} must "
+            "be >= 0 (0: sized for the batch / never disconnect)"
         )
     if a.max_staleness < 0 or a.publish_every < 1:
         raise ValueError("asynchronous.max_staleness must be >= 0 and publish_every >= 1")

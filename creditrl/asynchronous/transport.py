@@ -3,10 +3,13 @@ CURVE-authenticated. Only bytes cross them (``messages.encode`` / ``messages.dec
 
 The learner binds a ROUTER at ``tcp://host:port``; each sampler connects a DEALER whose
 routing identity is its sampler id, so the learner can acknowledge to the sampler that sent a
-group. ``ROUTER_HANDOVER`` lets a restarted sampler take over its identity; with
-``ROUTER_MANDATORY`` an acknowledgement to a sampler that is gone fails visibly instead of
-vanishing. Every socket has send and receive high-water marks of ``hwm`` messages, so a slow
-learner blocks its samplers (back-pressure) instead of growing memory without bound.
+group. The ROUTER's ``MAXMSGSIZE`` (``max_message_bytes``) makes libzmq drop, before Python
+sees it, any frame larger than that, and disconnect its sender (which reconnects); a socket
+monitor counts such disconnects (``LearnerSocket.disconnects``). ``ROUTER_HANDOVER`` lets a
+restarted sampler take over its identity; with ``ROUTER_MANDATORY`` an acknowledgement to a
+sampler that is gone fails visibly instead of vanishing. Every socket has send and receive
+high-water marks of ``hwm`` messages, so a slow learner blocks its samplers (back-pressure)
+instead of growing memory without bound.
 
 CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
 ``server.key_secret`` and accepts only the public keys in ``authorized/``; a sampler holds
@@ -25,6 +28,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
 from creditrl.config.schema import AsyncConfig
@@ -82,9 +86,13 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
 
 
 class LearnerSocket:
-    """The learner's ROUTER: receives hello/episodes, sends welcome/ack/stop by sampler id."""
+    """The learner's ROUTER: receives hello/episodes, sends welcome/ack/stop by sampler id.
 
-    def __init__(self, cfg: AsyncConfig, port: int | None = None) -> None:
+    ``max_message_bytes`` > 0 sets libzmq's ``MAXMSGSIZE`` (per frame)."""
+
+    def __init__(
+        self, cfg: AsyncConfig, port: int | None = None, max_message_bytes: int = 0
+    ) -> None:
         port = cfg.port if port is None else port
         self.context = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
@@ -92,6 +100,9 @@ class LearnerSocket:
         _configure(self.sock, cfg.hwm)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if max_message_bytes > 0:
+            self.sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if cfg.curve_keys_dir:
             keys = Path(cfg.curve_keys_dir)
             public, secret = _load_key(keys / "server.key_secret", secret=True)
@@ -116,37 +127,56 @@ class LearnerSocket:
 
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """The next (sampler id, message), or None after ``timeout_s``. A malformed message
-        raises MessageError (its ``sampler_id`` attribute names the sender)."""
+        raises MessageError whose ``sender`` is the routing identity it came from (arbitrary
+        bytes kept by ``surrogateescape``, so ``send`` can answer it)."""
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
         frames = self.sock.recv_multipart()
-        sender = bytes(frames[0]).decode("utf-8", errors="replace")
+        sender = bytes(frames[0]).decode("utf-8", errors="surrogateescape")
         try:
             message = decode(frames[1:])
             check_sampler_id(sender)
+            claimed = message.header.get("sampler_id", sender)
+            if claimed != sender:
+                seq = message.header["seq"] if message.kind == "episodes" else None
+                raise MessageError(
+                    f"message from {sender!r} claims sampler_id {claimed!r:.80}", "header", seq
+                )
         except MessageError as e:
-            e.sampler_id = sender  # type: ignore[attr-defined]
+            e.sender = sender
             raise
-        claimed = message.header.get("sampler_id", sender)
-        if claimed != sender:
-            err = MessageError(f"message from {sender!r} claims sampler_id {claimed!r}")
-            err.sampler_id = sender  # type: ignore[attr-defined]
-            raise err
+        except Exception as e:  # a check that breaks rejects, never crashes
+            log.exception("decoding a message from %r failed", sender)
+            err = MessageError(f"decoding failed: {type(e).__name__}: {e}", "error")
+            err.sender = sender
+            raise err from e
         return sender, message
+
+    def disconnects(self) -> int:
+        """Peer disconnections since the last call (a sampler exiting, or libzmq dropping a
+        peer that sent a frame over ``MAXMSGSIZE``)."""
+        count = 0
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                count += 1
+        return count
 
     def send(self, sampler_id: str, frames: list[bytes]) -> bool:
         """Send to ``sampler_id``; False (logged) when it is not connected or its queue is full."""
+        identity = sampler_id.encode("utf-8", errors="surrogateescape")
         try:
-            self.sock.send_multipart([sampler_id.encode(), *frames], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            log.warning("could not send to sampler %s: %s", sampler_id, e.strerror)
+            log.warning("could not send to sampler %r: %s", sampler_id, e.strerror)
             return False
 
     def close(self) -> None:
-        """Close the socket, the authenticator and the context."""
+        """Close the socket, its monitor, the authenticator and the context."""
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()

@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from creditrl.config.loader import ConfigError
+from creditrl.errors import UserError
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -20,13 +21,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return 0
     from creditrl.asynchronous.launcher import launch, load_from_args
     from creditrl.asynchronous.settings import check_async_config
+    from creditrl.preflight import preflight
 
+    warnings: list[str] = []
     try:
-        cfg, config_file, overrides = load_from_args(args.args)
+        cfg, config_file, overrides = load_from_args(args.args, warnings)
         check_async_config(cfg)
-    except (ConfigError, ValueError) as err:
-        console.print(f"[red]config error:[/red] {err}")
+        notes = preflight(cfg)  # user code, data files and scorers, before any process starts
+    except (UserError, ValueError) as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
+    for line in warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+    for line in notes:
+        console.print(f"[yellow]note:[/yellow] {escape(line)}")
     return launch(cfg, config_file, overrides, console)
 
 

@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from creditrl.config.loader import ConfigError
+from creditrl.errors import UserError
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -18,8 +19,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     try:
         cfg, _, _ = load_from_args(args.args)
-    except ConfigError as err:
-        console.print(f"[red]config error:[/red] {err}")
+    except UserError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     world = cfg.asynchronous.learners
     if not 0 <= args.rank < world:

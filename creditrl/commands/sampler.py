@@ -6,21 +6,24 @@ import argparse
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from creditrl.config.loader import ConfigError
+from creditrl.errors import UserError
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """Handle ``creditrl sampler [CONFIG] [key=value ...] --index I``."""
+    """Handle ``creditrl sampler [CONFIG] [key=value ...] --index I``; exit code 1 when the
+    learner disconnects this sampler, 2 for a config or data error."""
     from creditrl.asynchronous.launcher import load_from_args
     from creditrl.asynchronous.sampler import Sampler
 
     try:
         cfg, _, _ = load_from_args(args.args)
-    except ConfigError as err:
-        console.print(f"[red]config error:[/red] {err}")
+        sampler = Sampler(cfg, args.index, console=console)
+    except UserError as err:
+        console.print(f"[red]sampler {args.index}:[/red] {escape(str(err))}")
         return 2
-    return Sampler(cfg, args.index, console=console).run()
+    return sampler.run()
 
 
 def register(sub: Any) -> None:

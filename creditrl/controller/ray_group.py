@@ -15,14 +15,21 @@ Faults: every call waits with ``ray.wait`` up to ``trainer.call_timeout_s``; a r
 process died, or whose call raised, ends the call with a ``WorkerError`` naming the role and
 rank, and the group kills its remaining actors so none is left blocked in a collective (those
 also time out after ``trainer.collective_timeout_s``).
+
+Network: a cluster started here (no ``trainer.ray.address`` / ``$RAY_ADDRESS``) listens on
+127.0.0.1 only, and so does its workers' process group (``creditrl.workers.distributed``); on a
+cluster the user names, the ranks rendezvous at rank 0's node address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +41,8 @@ from creditrl.controller.dispatch import Dispatch, collect, split
 from creditrl.controller.worker_group import METHODS, WorkerGroup
 
 __all__ = ["RankActor", "RayWorkerGroup", "RoutedWorkerGroup", "WorkerError", "init_ray"]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
@@ -106,9 +115,28 @@ class RankActor:
         return encode(result)
 
 
+@contextlib.contextmanager
+def _single_node_mode() -> Iterator[None]:
+    """Ray replaces a loopback ``_node_ip_address`` by the machine's outward address (so that
+    other nodes could join) unless its single-node mode is on (``RAY_ENABLE_WINDOWS_OR_OSX_
+    CLUSTER=0``, read once when Ray is imported). Switched on here while our own cluster starts,
+    so its GCS, raylet, object manager, agents and workers listen on 127.0.0.1 only."""
+    from ray._private import ray_constants
+
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    if before is None:  # another Ray version: init_ray warns if the node is not loopback
+        yield
+        return
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def init_ray(cfg: Config) -> None:
-    """Connect to ``trainer.ray.address`` (or ``$RAY_ADDRESS``), else start a local cluster on
-    loopback with the CPUs (and GPUs) the pools' bundles ask for."""
+    """Connect to ``trainer.ray.address`` (or ``$RAY_ADDRESS``), else start a local cluster
+    bound to loopback (no dashboard) with the CPUs (and GPUs) the pools' bundles ask for."""
     import ray
 
     if ray.is_initialized():
@@ -121,13 +149,23 @@ def init_ray(cfg: Config) -> None:
         return
     pools = 2 if cfg.trainer.critic_placement == "separate" else 1
     ranks = pools * cfg.trainer.workers
-    ray.init(
-        num_cpus=max(int(ranks * ray_cfg.cpus_per_worker + 0.999), 1),
-        num_gpus=int(ranks * ray_cfg.gpus_per_worker + 0.999),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        **common,
-    )
+    with _single_node_mode():
+        ray.init(
+            address="local",
+            num_cpus=max(int(ranks * ray_cfg.cpus_per_worker + 0.999), 1),
+            num_gpus=int(ranks * ray_cfg.gpus_per_worker + 0.999),
+            include_dashboard=False,
+            dashboard_host="127.0.0.1",
+            _node_ip_address="127.0.0.1",
+            **common,
+        )
+    node = ray.util.get_node_ip_address()
+    if node != "127.0.0.1":
+        log.warning(
+            "the local Ray cluster listens on %s, not 127.0.0.1 (this Ray version ignored "
+            "the loopback address): other machines on that network can reach it",
+            node,
+        )
 
 
 class RayWorkerGroup(WorkerGroup):

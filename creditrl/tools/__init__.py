@@ -3,7 +3,8 @@
 - ``registry``: ``Tool``, ``ToolRegistry`` (argument checks, timeouts, error results),
   ``function_schema`` (from type hints and docstrings), ``build_registry`` (names + YAML file).
 - ``calculator``: arithmetic from a parsed syntax tree (never ``eval``).
-- ``python_sandbox``: code in a limited child process (time, memory, no network, temp dir).
+- ``python_sandbox``: model-written code in a bubblewrap sandbox (namespaces, no network,
+  bounded disk, memory, processes and time; docs/security.md states what it promises).
 - ``kg_lookup``: facts from a local triple file.
 - ``output``: ``truncate_text`` (left / right / middle).
 """

@@ -1,22 +1,33 @@
-"""The ``python`` tool: run a snippet in a separate, limited Python process.
+"""The ``python`` tool: run model-written code in a throwaway sandbox.
 
-Each call writes the code to a fresh temporary directory and runs ``python -I -S`` there (no
-environment, no user or site packages: the standard library only) with:
+Threat model: the code is untrusted; it may be written to read secrets, change or delete files,
+reach the network, spawn processes that outlive the call, or exhaust the machine. With the
+default ``isolation: bwrap`` each call runs ``python -I -S`` (standard library only) inside a
+bubblewrap sandbox (``creditrl.tools.bwrap``) where, as tests/test_security.py shows:
 
-- a wall-clock timeout (the process group is killed) and an ``RLIMIT_CPU`` of the same length;
-- ``RLIMIT_AS`` = ``memory_mb`` and ``RLIMIT_FSIZE`` = ``max_file_bytes``;
-- no network: a fresh network namespace where the kernel allows it (``unshare``), and in every
-  case an audit hook installed before the code runs that refuses sockets, new processes
-  (``subprocess``, ``os.system``, ``exec``, ``fork``, ``posix_spawn``), ``ctypes``, raising the
-  resource limits, and writes or deletions outside the temporary directory;
-- output capped at ``max_output_chars`` (stdout, then stderr; the process is killed when the cap
-  is passed).
+- the host's files are absent: only the interpreter, its standard library and the shared
+  libraries are there, read-only; ``/work`` (the working directory) is a private tmpfs of
+  ``max_disk_mb``, gone after the call, and the only writable place;
+- the environment is empty but for a few fixed variables, and other processes are invisible
+  (own PID namespace);
+- there is no network (own network namespace: loopback only);
+- limits per process: ``RLIMIT_CPU`` of ``timeout_s``, ``RLIMIT_AS`` = ``memory_mb``,
+  ``RLIMIT_FSIZE`` = ``max_file_bytes``; at most ``max_processes`` processes and threads in all
+  (the interpreter included);
+- every process of the call is gone when the call returns: the interpreter is the init of the
+  sandbox's PID namespace, so when it ends (or the wall-clock timeout kills it) the kernel
+  kills the rest of the namespace before bwrap reports the exit;
+- output is capped at ``max_output_chars`` (stdout, then stderr; the sandbox is killed when
+  the cap is passed).
+
+The sandbox shares the host kernel: a kernel exploit is out of scope, and so is contention
+(a call may use up to ``max_processes`` × ``memory_mb`` of memory plus ``max_disk_mb``).
+Where bubblewrap cannot run, the tool refuses to start (``bwrap_problem`` says why) unless the
+config sets ``isolation: none``: the code then runs as you in a plain subprocess with the same
+limits and an audit hook that code can remove. That is for trusted code only.
 
 The limits are set by a bootstrap that runs first in the child, not by a ``preexec_fn``:
 Python code between fork and exec can deadlock when the parent has other threads (torch's).
-
-This confines honest mistakes and casual misuse of model-written code; it is not a security
-boundary against code crafted to escape (use a container or VM for that).
 """
 
 from __future__ import annotations
@@ -24,21 +35,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+from creditrl.errors import ConfigError, UserError
+from creditrl.tools.bwrap import bwrap_command, bwrap_problem, read_init_pid, sandbox_python
 from creditrl.tools.registry import Tool
 
-__all__ = ["PythonSandbox", "python_tool"]
+__all__ = ["ISOLATIONS", "PythonSandbox", "python_tool"]
 
 ERR_CAP = 1 << 16
+ISOLATIONS = ("bwrap", "none")
+KILL_GRACE_S = 1.0
 
-# Runs first in the child (after exec, so no fork-with-threads hazard): resource limits, a
-# private network namespace if the kernel allows it, then the audit hook that refuses the
-# events listed in the module docstring, then the user's code. Formatted with the limits.
-_PRELUDE = r"""
+# isolation "bwrap": the limits, then the user's code. Formatted with [(resource, limits)].
+_LIMITS = r"""
+import resource as _r
+for _k, _v in {limits!r}:
+    _r.setrlimit(_k, _v)
+del _r, _k, _v
+_code = open("main.py", encoding="utf-8").read()
+exec(compile(_code, "main.py", "exec"), {{"__name__": "__main__"}})
+"""
+
+# isolation "none": runs first in the child (after exec, so no fork-with-threads hazard):
+# resource limits, a private network namespace if the kernel allows it, then an audit hook that
+# refuses sockets, new processes, ctypes, raising the limits, and writes or deletions outside the
+# temporary directory, then the user's code. Formatted with the limits.
+_UNISOLATED_PRELUDE = r"""
 import os as _os, sys as _sys, resource as _resource
 _cpu, _mem, _fsize = {cpu}, {mem}, {fsize}
 _resource.setrlimit(_resource.RLIMIT_CPU, (_cpu, _cpu + 1))
@@ -85,10 +113,37 @@ exec(compile(_code, "main.py", "exec"), {{"__name__": "__main__"}})
 """
 
 
-def _prelude(seconds: float, memory_mb: int, max_file_bytes: int) -> str:
-    """The child's bootstrap with its limits: CPU seconds (at least 1), address space, files."""
-    cpu = max(1, int(seconds + 0.999))
-    return _PRELUDE.format(cpu=cpu, mem=max(memory_mb, 0) * 1024 * 1024, fsize=max_file_bytes)
+def _cpu_seconds(timeout_s: float) -> int:
+    """The RLIMIT_CPU soft limit for a wall-clock timeout: whole seconds, at least 1."""
+    return max(1, int(timeout_s + 0.999))
+
+
+def _unisolated_prelude(seconds: float, memory_mb: int, max_file_bytes: int) -> str:
+    """The ``isolation: none`` bootstrap with its limits: CPU seconds, address space, files."""
+    return _UNISOLATED_PRELUDE.format(
+        cpu=_cpu_seconds(seconds), mem=max(memory_mb, 0) * 1024 * 1024, fsize=max_file_bytes
+    )
+
+
+def _limits_bootstrap(sandbox: PythonSandbox) -> str:
+    """The ``isolation: bwrap`` bootstrap: ``setrlimit`` of each limit, then ``main.py``."""
+    cpu = _cpu_seconds(sandbox.timeout_s)
+    limits = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_FSIZE, (sandbox.max_file_bytes,) * 2),
+        (resource.RLIMIT_NPROC, (sandbox.max_processes,) * 2),
+        (resource.RLIMIT_NOFILE, (256, 256)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    if sandbox.memory_mb > 0:
+        limits.append((resource.RLIMIT_AS, (sandbox.memory_mb * 1024 * 1024,) * 2))
+    return _LIMITS.format(limits=limits)
+
+
+def _check_int(name: str, value: object, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ConfigError(f"python tool: {name} must be an integer >= {least}, got {value!r}")
+    return value
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
@@ -103,7 +158,12 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, b
 
 
 class PythonSandbox:
-    """Runs code strings in limited child processes; see the module docstring."""
+    """Runs code strings in sandboxed child processes; see the module docstring.
+
+    ``isolation``: ``"bwrap"`` (the sandbox; refuses to start where bubblewrap cannot run) or
+    ``"none"`` (unsafe: a plain subprocess). Raises ConfigError for a bad setting and
+    UserError (one line: why, and what to do) where bubblewrap is missing or fails.
+    """
 
     def __init__(
         self,
@@ -111,17 +171,25 @@ class PythonSandbox:
         memory_mb: int = 512,
         max_output_chars: int = 4000,
         max_file_bytes: int = 1 << 20,
+        isolation: str = "bwrap",
+        max_disk_mb: int = 64,
+        max_processes: int = 16,
     ) -> None:
-        self.timeout_s = timeout_s
-        self.memory_mb = memory_mb
-        self.max_output_chars = max_output_chars
-        self.max_file_bytes = max_file_bytes
-
-    async def _collect(self, proc: asyncio.subprocess.Process, cap: int) -> tuple:
-        try:
-            return await _watch(proc, cap, self.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"python code ran past {self.timeout_s:g}s") from None
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ConfigError(f"python tool: timeout_s must be a number > 0, got {timeout_s!r}")
+        if isolation not in ISOLATIONS:
+            raise ConfigError(
+                f"python tool: isolation {isolation!r} is not one of {list(ISOLATIONS)}"
+            )
+        self.timeout_s = float(timeout_s)
+        self.memory_mb = _check_int("memory_mb", memory_mb, 0)
+        self.max_output_chars = _check_int("max_output_chars", max_output_chars, 1)
+        self.max_file_bytes = _check_int("max_file_bytes", max_file_bytes, 1)
+        self.max_disk_mb = _check_int("max_disk_mb", max_disk_mb, 1)
+        self.max_processes = _check_int("max_processes", max_processes, 1)
+        self.isolation = isolation
+        if isolation == "bwrap" and (problem := bwrap_problem()) is not None:
+            raise UserError(problem)
 
     async def run(self, code: str) -> str:
         """Execute Python code and return what it printed (stdout, then stderr on failure).
@@ -129,29 +197,11 @@ class PythonSandbox:
         Args:
             code: a Python program; print() the values you want to see
         """
-        with tempfile.TemporaryDirectory(prefix="creditrl-py-") as tmp:
-            Path(tmp, "main.py").write_text(code, encoding="utf-8")
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _prelude(self.timeout_s, self.memory_mb, self.max_file_bytes),
-                cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "HOME": tmp, "PYTHONIOENCODING": "utf-8"},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-            cap = self.max_output_chars
-            try:
-                out, more_out, err, _ = await self._collect(proc, cap)
-            finally:
-                if proc.returncode is None:
-                    _kill(proc)
-                await proc.communicate()  # drain the pipes so their transport closes
-            returncode = proc.returncode
+        run = self._run_bwrap if self.isolation == "bwrap" else self._run_unisolated
+        returncode, out, more_out, err = await run(code)
+        if self.isolation == "bwrap" and returncode > 128:
+            returncode = 128 - returncode  # bwrap reports "killed by signal N" as 128 + N
+        cap = self.max_output_chars
         text = out.decode("utf-8", errors="replace")
         if more_out:
             text += f"\n...[output cut at {cap} bytes]"
@@ -164,11 +214,94 @@ class PythonSandbox:
             raise RuntimeError(f"exit code {returncode}\n{text}{tail}".strip()[-cap:])
         return text
 
+    async def _run_bwrap(self, code: str) -> tuple[int, bytes, bool, bytes]:
+        """``code`` as ``/work/main.py`` in the bubblewrap sandbox; stopping it kills the
+        sandbox's init, which takes every other process of the call with it."""
+        argv = [sandbox_python(), "-I", "-S", "-c", _limits_bootstrap(self)]
+        with tempfile.TemporaryFile() as code_file:
+            code_file.write(code.encode("utf-8"))
+            code_file.flush()
+            code_file.seek(0)
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            init_pid: list[int] = []
 
-async def _watch(proc: asyncio.subprocess.Process, cap: int, timeout: float) -> tuple:
+            def target() -> int | None:
+                if not init_pid and (pid := read_init_pid(read_end)) is not None:
+                    init_pid.append(pid)
+                return init_pid[0] if init_pid else None
+
+            try:
+                fds = (code_file.fileno(), write_end)
+                cmd = bwrap_command(argv, self.max_disk_mb * 1024 * 1024, *fds)
+                return await self._execute(cmd, target, env={}, pass_fds=fds)
+            finally:
+                os.close(read_end)
+                os.close(write_end)
+
+    async def _run_unisolated(self, code: str) -> tuple[int, bytes, bool, bytes]:
+        """``isolation: none``: ``code`` in a temporary directory, as the current user."""
+        with tempfile.TemporaryDirectory(prefix="creditrl-py-") as tmp:
+            Path(tmp, "main.py").write_text(code, encoding="utf-8")
+            prelude = _unisolated_prelude(self.timeout_s, self.memory_mb, self.max_file_bytes)
+            return await self._execute(
+                [sys.executable, "-I", "-S", "-c", prelude],
+                lambda: None,
+                cwd=tmp,
+                env={"PATH": "/usr/bin:/bin", "HOME": tmp, "PYTHONIOENCODING": "utf-8"},
+            )
+
+    async def _execute(
+        self, argv: list[str], target: Callable[[], int | None], **popen: object
+    ) -> tuple[int, bytes, bool, bytes]:
+        """Run ``argv`` in a new session; (exit code, stdout, more stdout followed, stderr).
+        Stopping it SIGKILLs ``target()`` when that gives a pid, else the session's process
+        group; a process still there after KILL_GRACE_S gets the group kill too."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            **popen,
+        )
+
+        def stop() -> None:
+            pid = target()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if pid is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+
+        try:
+            out, more_out, err, _ = await self._collect(proc, self.max_output_chars, stop)
+        finally:
+            if proc.returncode is None:
+                stop()
+                try:
+                    await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+            await proc.communicate()  # drain the pipes so their transport closes
+        return proc.returncode, out, more_out, err
+
+    async def _collect(
+        self, proc: asyncio.subprocess.Process, cap: int, stop: Callable[[], None]
+    ) -> tuple:
+        try:
+            return await _watch(proc, cap, self.timeout_s, stop)
+        except TimeoutError:
+            raise TimeoutError(f"python code ran past {self.timeout_s:g}s") from None
+
+
+async def _watch(
+    proc: asyncio.subprocess.Process, cap: int, timeout: float, stop: Callable[[], None]
+) -> tuple:
     """Read stdout (up to ``cap`` bytes) and stderr (up to ``ERR_CAP``, whose tail is kept for
-    the error text) until the process ends; kill it when a pipe passes its cap; TimeoutError
-    after ``timeout`` seconds."""
+    the error text) until the process ends; ``stop`` it when a pipe passes its cap;
+    TimeoutError after ``timeout`` seconds."""
     tasks = [
         asyncio.ensure_future(_read_capped(proc.stdout, cap)),
         asyncio.ensure_future(_read_capped(proc.stderr, max(cap, ERR_CAP))),
@@ -185,7 +318,7 @@ async def _watch(proc: asyncio.subprocess.Process, cap: int, timeout: float) -> 
                 pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
             )
             if any(task.result()[1] for task in done):
-                _kill(proc)
+                stop()
         await asyncio.wait_for(proc.wait(), max(deadline - loop.time(), 0.1))
     finally:
         for task in tasks:
@@ -194,14 +327,27 @@ async def _watch(proc: asyncio.subprocess.Process, cap: int, timeout: float) -> 
     return out, more_out, err, more_err
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def python_tool(
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_chars: int = 4000,
+    isolation: str = "bwrap",
+    max_disk_mb: int = 64,
+    max_processes: int = 16,
+) -> Tool:
+    """The ``python`` Tool (its own timeout; the registry's is set a second above it).
 
-
-def python_tool(timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 4000) -> Tool:
-    """The ``python`` Tool (its own timeout; the registry's is set a second above it)."""
-    sandbox = PythonSandbox(timeout_s, memory_mb, max_output_chars)
+    YAML: ``{name: python, kwargs: {isolation: bwrap, max_disk_mb: 64, ...}}``; see
+    PythonSandbox for the refusals.
+    """
+    sandbox = PythonSandbox(
+        timeout_s,
+        memory_mb,
+        max_output_chars,
+        isolation=isolation,
+        max_disk_mb=max_disk_mb,
+        max_processes=max_processes,
+    )
     tool = Tool.from_function(sandbox.run, name="python")
-    tool.timeout_s = timeout_s + 1.0
+    tool.timeout_s = sandbox.timeout_s + 1.0
     return tool

@@ -43,13 +43,15 @@ def _json_number(value: float) -> float | None:
 
 
 def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep only lines of ``path`` with ``"step" <= step`` (atomic rewrite); returns lines dropped.
+    """Keep only lines of ``path`` with ``"step" <= step``, each step once (its last record),
+    and rewrite it atomically and durably; returns the lines dropped. ``step=-1`` drops every
+    record (a run starting over).
 
     Unreadable lines (e.g. half-written by a crash) are dropped with a warning.
     """
     if not path.exists():
         return 0
-    kept: list[str] = []
+    by_step: dict[int, str] = {}
     dropped = 0
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -60,13 +62,18 @@ def truncate_jsonl(path: Path, step: int) -> int:
             log.warning("%s line %d is not a metrics record; dropped on resume", path, lineno)
             dropped += 1
             continue
-        if row_step <= step:
-            kept.append(line)
-        else:
+        if not isinstance(row_step, int) or row_step > step:
             dropped += 1
+            continue
+        if row_step in by_step:
+            dropped += 1
+            del by_step[row_step]  # the last record of a step stays, where it was written
+        by_step[row_step] = line
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("".join(f"{line}\n" for line in kept))
+        f.write("".join(f"{line}\n" for line in by_step.values()))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return dropped
 
@@ -230,7 +237,8 @@ class Tracker:
             sink.log(values, int(step))
 
     def truncate_after(self, step: int) -> int:
-        """On resume from ``step``: drop metrics.jsonl lines with a larger step."""
+        """On resume from ``step``: drop metrics.jsonl lines with a larger step and repeats of a
+        step (``-1``: every line, for a run that starts over)."""
         return self.jsonl.truncate_after(step)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ from creditrl.tracking import (
 )
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers import stages
-from creditrl.trainers.checkpoint import CheckpointManager
+from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -81,6 +81,7 @@ class RLTrainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.out = Path(cfg.trainer.output_dir)
+        prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
@@ -147,8 +148,13 @@ class RLTrainer:
         return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
 
     def maybe_resume(self) -> bool:
+        """Restore the newest complete checkpoint (damaged newer ones are logged and skipped);
+        without one, a rerun starts over and drops the earlier attempt's metrics rows."""
+        if self.cfg.trainer.resume == "never":
+            return False
         latest = self.checkpoints.latest()
-        if latest is None or self.cfg.trainer.resume == "never":
+        if latest is None:
+            self.tracker.truncate_after(-1)
             return False
         self.step, state = self.checkpoints.load(latest, self.workers.load_checkpoint)
         self.sampler.load_state_dict(state["sampler"])

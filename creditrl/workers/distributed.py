@@ -2,14 +2,17 @@
 Batch transfer as safetensors bytes (never pickle).
 
 Every function is a no-op (or the identity) when no process group is initialised, so the
-workers run unchanged in one process. Collectives time out after the ``timeout_s`` given to
+workers run unchanged in one process. The rendezvous binds loopback unless given another
+address (see ``init_process_group``). Collectives time out after the ``timeout_s`` given to
 ``init_process_group``: a dead peer surfaces as an error, not a hang.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from collections.abc import Iterable
 
 import torch
@@ -24,10 +27,45 @@ __all__ = [
     "destroy_process_group",
     "init_process_group",
     "is_distributed",
+    "is_loopback",
     "rank",
     "scatter_batches",
     "world_size",
 ]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    """The loopback network interface's name (``lo`` on Linux, ``lo0`` on macOS), if found."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on exactly ``host:port``; returns its file descriptor (the TCP store
+    takes it over and closes it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise OSError(
+            f"the process-group rendezvous cannot listen on {host}:{port} ({err.strerror}); "
+            "another process holds that port: choose another one"
+        ) from None
+    return sock.detach()
 
 
 def init_process_group(
@@ -35,20 +73,42 @@ def init_process_group(
     world_size: int,
     *,
     backend: str = "gloo",
-    master_addr: str = "127.0.0.1",
+    master_addr: str | None = None,
     master_port: int,
     timeout_s: float = 60.0,
 ) -> None:
-    """Join the default process group (TCP store at ``master_addr:master_port``, loopback by
-    default). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
+    """Join the default process group through a TCP store at ``master_addr:master_port``
+    (None: ``$MASTER_ADDR``, else 127.0.0.1). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU.
+
+    On a loopback address nothing listens beyond this machine: rank 0 opens the store's
+    listening socket on that address itself (torch's store would listen on every interface),
+    and gloo and NCCL use the loopback interface (``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME``, unless already set). Any other address is torch's multi-node
+    set-up, unchanged."""
+    host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if host == "localhost":
+        host = "127.0.0.1"
+    os.environ.setdefault("MASTER_ADDR", host)
     os.environ.setdefault("MASTER_PORT", str(master_port))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listen_fd = None
+    if is_loopback(host):
+        interface = _loopback_interface()
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        if rank == 0:
+            listen_fd = _listen(host.strip("[]"), master_port)
+    store = dist.TCPStore(
+        host.strip("[]"),
+        master_port,
+        world_size,
+        rank == 0,
+        timeout=timeout,
+        master_listen_fd=listen_fd,
+    )
     dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
 
 

@@ -1,0 +1,293 @@
+"""Checks on an episodes group before the learner trusts it: everything a sampler sends is
+untrusted input. A failed check raises ``MessageError`` with a ``reason`` (one of ``REASONS``);
+the learner acknowledges the group ``rejected``, counts it as ``async/rejected`` and
+``async/rejected/<reason>`` and carries on.
+
+Two layers: ``check_payload`` needs no config (``messages.decode`` calls it): the payload parses
+as a creditrl batch, every field is known and has its catalogue dtype and a consistent shape,
+ids are >= 0, masks are 0/1, floats are finite, non-tensors and meta have their types.
+``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
+within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
+model's vocabulary, the optional fields this run sends, a weight version not in the future.
+
+Unknown fields are refused (``fields``), never dropped: a sampler that writes fields this
+learner does not know runs other code or another config, and its groups would not
+concatenate with the others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from creditrl.batch import Batch
+
+__all__ = [
+    "EPISODE_FIELDS",
+    "REASONS",
+    "GroupLimits",
+    "MessageError",
+    "check_payload",
+]
+
+REASONS = {
+    "protocol": "not a creditrl.async/1 message, a wrong frame count, or a kind a sampler may "
+    "not send",
+    "header": "the JSON header is malformed: a field missing, of the wrong type, out of range "
+    "or unknown; episode ids or the sender's identity inconsistent",
+    "payload": "the payload is not a creditrl batch (garbage, truncated, bad declared sizes)",
+    "fields": "a required field is missing, or a field this learner does not know is present",
+    "dtype": "a tensor does not have its catalogue dtype (int64 ids and masks, float32 floats)",
+    "shape": "tensor shapes disagree (rows, prompt width P, response width T, P + T)",
+    "length": "the prompt or response width exceeds max_prompt_length / max_response_length",
+    "group_size": "the group does not hold rollout.n answers",
+    "token_id": "a token id is negative or not below the model's vocabulary size",
+    "mask": "a mask holds values other than 0 and 1",
+    "non_finite": "a float is NaN or infinite",
+    "value": "values are inconsistent or out of range (uids, episode ids, log-probs > 0, ...)",
+    "non_tensor": "a non-tensor column or meta entry has the wrong type",
+    "version": "the group claims a weight version the learner has not published yet",
+    "error": "the learner failed on the group before it joined a batch (logged with traceback)",
+}
+
+# Tensors every group holds; ref_log_prob (ref_on=sampler) and rm_scores (a reward model)
+# are added by some runs (``GroupLimits.optional``).
+EPISODE_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "prompts",
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "token_level_scores",
+    "weight_version",
+)
+# name -> (kind, width): kind picks the dtype and value check, width the second dimension.
+_TENSORS = {
+    "input_ids": ("ids", "P+T"),
+    "attention_mask": ("mask", "P+T"),
+    "position_ids": ("position", "P+T"),
+    "prompts": ("ids", "P"),
+    "responses": ("ids", "T"),
+    "response_mask": ("mask", "T"),
+    "rollout_log_probs": ("log_prob", "T"),
+    "ref_log_prob": ("log_prob", "T"),
+    "token_level_scores": ("score", "T"),
+    "rm_scores": ("score", "T"),
+    "weight_version": ("version", None),
+}
+_DTYPES = {"ids": torch.int64, "mask": torch.int64, "position": torch.int64,
+           "version": torch.int64, "log_prob": torch.float32, "score": torch.float32}  # fmt: skip
+_MAX_LOG_PROB = 1e-3  # log-probs are <= 0; a little slack for rounding
+_MAX_SCORE = 1e9  # larger rewards overflow float32 statistics (squares in the group std)
+# non-tensor column -> allowed JSON types of each value (None: any JSON value)
+_COLUMNS: dict[str, tuple[type, ...] | None] = {
+    "uid": (str,),
+    "episode_id": (str,),
+    "sampler_id": (str,),
+    "raw_prompt": (list, str),
+    "ground_truth": None,
+    "data_source": (str,),
+    "extra_info": (dict,),
+    "index": (int,),
+    "reward_extra_info": (dict,),
+}
+_REQUIRED_COLUMNS = ("uid", "episode_id", "sampler_id")
+_META: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "max_response_length": (int,),
+    "eos_token_id": (int, list, type(None)),
+    "reward_extra_keys": (list,),
+}
+
+
+class MessageError(ValueError):
+    """A message that does not follow the protocol or fails a check: the learner rejects it.
+
+    ``reason`` is one of ``REASONS``; ``seq`` the group's number when the header gave one;
+    ``sender`` the routing identity it came from (set by the socket)."""
+
+    def __init__(self, message: str, reason: str = "protocol", seq: int | None = None) -> None:
+        super().__init__(message)
+        if reason not in REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        self.reason = reason
+        self.seq = seq
+        self.sender: str | None = None
+
+
+def _non_finite_path(value: Any, path: str) -> str | None:
+    """Where a JSON value holds a NaN or infinite float (None if nowhere); iterative, so any
+    nesting the JSON parser accepted is walked without recursion."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return where
+        if isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}[{k!r}]") for k, v in item.items())
+    return None
+
+
+def _parse(payload: bytes, where: str) -> Batch:
+    try:
+        return Batch.from_bytes(payload)
+    except Exception as e:  # any failure to parse untrusted bytes is a rejection
+        raise MessageError(f"{where}: payload is not a creditrl batch: {e}", "payload") from None
+
+
+def _check_fields(group: Batch, where: str) -> None:
+    missing = [n for n in EPISODE_FIELDS if n not in group.tensors]
+    missing += [n for n in _REQUIRED_COLUMNS if n not in group.non_tensors]
+    if missing:
+        raise MessageError(f"{where} lacks fields {missing}", "fields")
+    tensors = list(group.tensors.keys())
+    unknown = [n for n in tensors if n not in _TENSORS]
+    unknown += [n for n in group.non_tensors if n not in _COLUMNS]
+    unknown += [f"meta[{k!r}]" for k in group.meta if k not in _META]
+    if unknown:
+        raise MessageError(f"{where} holds fields this learner does not know: {unknown}", "fields")
+
+
+def _check_tensors(group: Batch, where: str) -> None:
+    for name, x in group.tensors.items():
+        kind, _ = _TENSORS[name]
+        if x.dtype != _DTYPES[kind]:
+            raise MessageError(f"{where}: {name} is {x.dtype}, not {_DTYPES[kind]}", "dtype")
+    b = len(group)
+    p, t = group["prompts"].shape[-1], group["responses"].shape[-1]
+    widths = {"P": p, "T": t, "P+T": p + t}
+    for name, x in group.tensors.items():
+        width = _TENSORS[name][1]
+        expected = (b,) if width is None else (b, widths[width])
+        if tuple(x.shape) != expected or (width is not None and widths[width] < 1):
+            raise MessageError(
+                f"{where}: {name} has shape {tuple(x.shape)}, expected {expected} "
+                f"(B={b}, P={p}, T={t})",
+                "shape",
+            )
+    for name, x in group.tensors.items():
+        kind = _TENSORS[name][0]
+        if kind == "ids" and bool((x < 0).any()):
+            raise MessageError(f"{where}: {name} holds negative token ids", "token_id")
+        if kind == "mask" and not bool(((x == 0) | (x == 1)).all()):
+            raise MessageError(f"{where}: {name} holds values other than 0 and 1", "mask")
+        if kind in ("log_prob", "score") and not bool(torch.isfinite(x).all()):
+            raise MessageError(f"{where}: {name} holds non-finite values", "non_finite")
+        if kind == "log_prob" and bool((x > _MAX_LOG_PROB).any()):
+            raise MessageError(f"{where}: {name} holds log-probs above 0", "value")
+        if kind == "score" and bool((x.abs() > _MAX_SCORE).any()):
+            raise MessageError(f"{where}: {name} holds values beyond +-{_MAX_SCORE:g}", "value")
+        if kind == "position" and not bool(((x >= 0) & (x < p + t)).all()):
+            raise MessageError(f"{where}: {name} holds positions outside [0, P+T)", "value")
+    if not torch.equal(group["input_ids"], torch.cat([group["prompts"], group["responses"]], 1)):
+        raise MessageError(f"{where}: input_ids is not prompts | responses", "value")
+    if bool((group["response_mask"] > group["attention_mask"][:, p:]).any()):
+        raise MessageError(f"{where}: response_mask is 1 where attention_mask is 0", "value")
+
+
+def _check_non_tensors(group: Batch, where: str) -> None:
+    for name, column in group.non_tensors.items():
+        allowed = _COLUMNS[name]
+        for i, value in enumerate(column):
+            bad_type = allowed is not None and (
+                not isinstance(value, allowed) or isinstance(value, bool)
+            )
+            if bad_type:
+                names = "/".join(a.__name__ for a in allowed)
+                raise MessageError(
+                    f"{where}: non-tensor {name}[{i}] is {type(value).__name__}, not {names}",
+                    "non_tensor",
+                )
+            if _non_finite_path(value, f"{name}[{i}]"):
+                raise MessageError(f"{where}: {name}[{i}] holds a non-finite float", "non_finite")
+    for key, value in group.meta.items():
+        allowed = _META[key]
+        ok = isinstance(value, allowed) and not isinstance(value, bool)
+        if key == "eos_token_id" and isinstance(value, list):
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if key == "reward_extra_keys":
+            ok = ok and all(isinstance(v, str) for v in value)
+        if not ok or _non_finite_path(value, key):
+            raise MessageError(
+                f"{where}: meta[{key!r}] = {value!r:.80}: wrong type or not finite",
+                "non_tensor",
+            )
+
+
+def check_payload(payload: bytes, sampler_id: str, seq: int, version: int, ids: list[str]) -> Batch:
+    """The group in ``payload`` if it passes the config-free checks (module docstring) and
+    matches its header (``sampler_id``, ``seq``, ``version``, episode ``ids``)."""
+    where = f"group {sampler_id}:{seq}"
+    group = _parse(payload, where)
+    if len(group) != len(ids):
+        raise MessageError(f"{where} has {len(group)} rows for {len(ids)} ids", "shape")
+    _check_fields(group, where)
+    _check_tensors(group, where)
+    _check_non_tensors(group, where)
+    if list(group["episode_id"]) != ids:
+        raise MessageError(f"{where}: episode_id field differs from the header", "value")
+    if set(group["sampler_id"].tolist()) != {sampler_id}:
+        raise MessageError(f"{where}: sampler_id field differs from the header", "value")
+    uids = set(group["uid"].tolist())
+    if len(uids) != 1:
+        raise MessageError(f"{where} is not one prompt group (several uids)", "value")
+    if uids != {f"{sampler_id}:{seq}"}:
+        raise MessageError(f"{where}: uid {uids.pop()!r:.80} is not '{sampler_id}:{seq}'", "value")
+    if not bool((group["weight_version"] == version).all()):
+        raise MessageError(f"{where}: weight_version differs from the header", "value")
+    return group
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What this learner accepts: ``n`` answers per group, widths up to ``max_prompt`` and
+    ``max_response``, token ids below ``vocab_size``, exactly the ``optional`` tensors."""
+
+    n: int
+    vocab_size: int
+    max_prompt: int
+    max_response: int
+    optional: frozenset[str] = frozenset()
+
+    def check(self, group: Batch, sampler_id: str, seq: int, version: int, current: int) -> None:
+        """MessageError unless group ``seq`` (sampled by weight ``version``; the learner is at
+        ``current``) fits these limits."""
+        where = f"group {sampler_id}:{seq}"
+        if len(group) != self.n:
+            raise MessageError(
+                f"{where} has {len(group)} answers; rollout.n is {self.n}", "group_size"
+            )
+        expected = set(EPISODE_FIELDS) | self.optional
+        odd = sorted(set(group.tensors.keys()) ^ expected)
+        if odd:
+            raise MessageError(
+                f"{where}: tensors {odd} differ from what this run sends (optional fields "
+                f"here: {sorted(self.optional) or 'none'})",
+                "fields",
+            )
+        p, t = group["prompts"].shape[1], group["responses"].shape[1]
+        if p > self.max_prompt or t > self.max_response:
+            raise MessageError(
+                f"{where}: prompt width {p} / response width {t} exceed "
+                f"data.max_prompt_length={self.max_prompt} / "
+                f"rollout.max_response_length={self.max_response}",
+                "length",
+            )
+        for name in ("input_ids", "prompts", "responses"):
+            top = int(group[name].max())
+            if top >= self.vocab_size:
+                raise MessageError(
+                    f"{where}: {name} holds token id {top} >= vocabulary size {self.vocab_size}",
+                    "token_id",
+                )
+        if version > current:
+            raise MessageError(
+                f"{where} claims weight version {version} > the learner's {current}", "version"
+            )

@@ -1,0 +1,516 @@
+"""Security: untrusted input is contained.
+
+Sandbox section: escape attempts against the ``python`` tool's default bubblewrap sandbox, each
+asserting that nothing got out (files, environment, processes, network, disk, memory), and the
+refusal to start where bubblewrap cannot run. The attempts print ``name: OK ...`` or
+``name: ERR <exception>`` for every operation, so a test can tell a refusal from a success.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import errno
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from creditrl.errors import ConfigError, UserError
+from creditrl.tools import build_registry
+from creditrl.tools import bwrap as bwrap_module
+from creditrl.tools.bwrap import ENV, NOT_FOUND, bwrap_problem
+from creditrl.tools.python_sandbox import PythonSandbox, python_tool
+
+# ---------------------------------------------------------------------------------------------
+# Sandbox: the python tool's bubblewrap sandbox against escape attempts
+# ---------------------------------------------------------------------------------------------
+
+SANDBOX_REPO = Path(__file__).resolve().parents[1]
+SANDBOX_SECRET = f"creditrl-secret-{os.getpid()}-{time.time_ns()}"
+SANDBOX_MARKER = f"creditrl-marker-{os.getpid()}"
+
+
+def _bwrap_skip_reason() -> str:
+    """Empty when a bubblewrap sandbox starts here, else why not (tries to run one)."""
+    return bwrap_problem() or ""
+
+
+_BWRAP_MISSING = _bwrap_skip_reason()
+needs_bwrap = pytest.mark.skipif(bool(_BWRAP_MISSING), reason=_BWRAP_MISSING)
+
+# Prepended to every attempt: attempt(name, fn) prints "name: OK <value>" or "name: ERR <type>".
+_ESCAPE_HELPER = """
+import os, sys
+def attempt(name, fn):
+    try:
+        value = fn()
+    except BaseException as e:
+        print(f"{name}: ERR {type(e).__name__}")
+    else:
+        print(f"{name}: OK {value!r}"[:2000])
+"""
+
+ESCAPE_READ_FILES = """
+for path in ARGS["paths"]:
+    attempt(path, lambda: open(path, errors="replace").read())
+attempt("listdir /", lambda: sorted(os.listdir("/")))
+"""
+
+ESCAPE_READ_ENVIRON = """
+attempt("os.environ", lambda: dict(os.environ))
+for name, pid in ARGS["pids"].items():
+    attempt(f"{name} environ", lambda: open(f"/proc/{pid}/environ", "rb").read())
+    attempt(f"{name} cmdline", lambda: open(f"/proc/{pid}/cmdline", "rb").read())
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+attempt("pids", lambda: pids)
+for p in pids:
+    attempt(f"/proc/{p}/environ", lambda: open(f"/proc/{p}/environ", "rb").read())
+    attempt(f"/proc/{p}/cmdline", lambda: open(f"/proc/{p}/cmdline", "rb").read())
+"""
+
+ESCAPE_WRITE_OUTSIDE = """
+import pathlib, shutil
+victim, folder = ARGS["victim"], ARGS["folder"]
+attempt("inside write", lambda: open("inside.txt", "w").write("x"))
+attempt("open w", lambda: open(victim, "w").write("owned"))
+attempt("open a", lambda: open(victim, "a").write("owned"))
+attempt("new file", lambda: open(folder + "/new.txt", "x").write("owned"))
+attempt("pathlib write", lambda: pathlib.Path(victim).write_text("owned"))
+attempt("os.open", lambda: os.write(os.open(victim, os.O_WRONLY | os.O_TRUNC), b"owned"))
+attempt("os.truncate", lambda: os.truncate(victim, 0))
+attempt("os.chmod", lambda: os.chmod(victim, 0o777))
+attempt("os.rename", lambda: os.rename(victim, folder + "/moved.txt"))
+attempt("os.remove", lambda: os.remove(victim))
+attempt("pathlib unlink", lambda: pathlib.Path(victim).unlink())
+attempt("shutil.rmtree", lambda: shutil.rmtree(folder))
+attempt("symlink", lambda: os.symlink(victim, "link"))
+attempt("write via symlink", lambda: open("link", "w").write("owned"))
+attempt("hard link", lambda: os.link(victim, "hard"))
+attempt("stdlib remove", lambda: os.remove(os.__file__))
+attempt("stdlib append", lambda: open(os.__file__, "a").write("#"))
+attempt("write /", lambda: open("/owned", "w").write("x"))
+attempt("write /dev/shm", lambda: open("/dev/shm/owned", "w").write("x"))
+try:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    attempt("ctypes unlink", lambda: libc.unlink(victim.encode()) or ctypes.get_errno())
+    attempt("ctypes rmdir", lambda: libc.rmdir(folder.encode()) or ctypes.get_errno())
+    flags = os.O_WRONLY | os.O_TRUNC
+    attempt("ctypes open", lambda: libc.open(victim.encode(), flags) or ctypes.get_errno())
+except Exception as e:
+    print("ctypes: ERR", type(e).__name__)
+"""
+
+# The old audit hook's own state, found through the garbage collector and emptied.
+ESCAPE_CLEAR_AUDIT_HOOK = """
+import gc
+for obj in gc.get_objects():
+    if callable(obj) and getattr(obj, "__name__", "") == "_hook":
+        found = obj.__globals__
+        found["_DENY"].clear()
+        found["_PATHS"].clear()
+        found["_inside"] = lambda path: True
+        print("hook: cleared")
+attempt("write after clearing", lambda: open(ARGS["victim"], "w").write("owned"))
+import subprocess
+attempt("subprocess after clearing", lambda: subprocess.run(["true"]).returncode)
+"""
+
+ESCAPE_SPAWN = """
+import subprocess, time
+attempt("subprocess", lambda: subprocess.run(["/bin/sh", "-c", "echo hi"]).returncode)
+attempt("subprocess python", lambda: subprocess.run([sys.executable, "-c", "print(1)"]).returncode)
+attempt("os.system", lambda: os.system("echo hi"))
+attempt("kill test's child", lambda: os.kill(ARGS["sleeper"], 9))
+forked = 0
+try:
+    for _ in range(200):
+        if os.fork() == 0:
+            time.sleep(2)
+            os._exit(0)
+        forked += 1
+except OSError as e:
+    print(f"fork bomb: stopped after {forked} errno {e.errno}")
+"""
+
+ESCAPE_NETWORK = """
+import socket
+attempt("tcp connect", lambda: socket.create_connection(("127.0.0.1", ARGS["port"]), timeout=2))
+attempt("resolve", lambda: socket.getaddrinfo("example.com", 80))
+attempt("interfaces", lambda: [name for _, name in socket.if_nameindex()])
+"""
+
+# A daemon: double fork, setsid, stdio to /dev/null (so the call need not wait for it), then
+# exec a process whose command line holds the marker, that says it is ready and writes a host
+# file a bit later. The main process returns once the daemon is ready (after ARGS["sleep"]).
+ESCAPE_OUTLIVE = """
+import time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        later = f"time.sleep(1.0); open({ARGS['marker_file']!r}, 'w').write('x')"
+        code = f"import time; open('ready', 'w').close(); {later}"
+        os.execv(sys.executable, [sys.executable, "-c", code, ARGS["marker"]])
+    os._exit(0)
+while not os.path.exists("ready"):
+    time.sleep(0.01)
+time.sleep(ARGS["sleep"])
+print("main: done in", os.readlink("/proc/self/ns/pid"))
+"""
+
+ESCAPE_FILL_DISK = """
+written = 0
+try:
+    with open("big.bin", "wb") as f:
+        for _ in range(ARGS["mb"]):
+            f.write(b"x" * (1 << 20))
+            f.flush()
+            written += 1
+except OSError as e:
+    print(f"disk: stopped at {written} MB errno {e.errno}")
+else:
+    print(f"disk: wrote {written} MB")
+"""
+
+ESCAPE_NEST = """
+import resource, ctypes
+attempt("raise RLIMIT_AS", lambda: resource.setrlimit(resource.RLIMIT_AS, (-1, -1)))
+attempt("raise RLIMIT_NPROC", lambda: resource.setrlimit(resource.RLIMIT_NPROC, (-1, -1)))
+libc = ctypes.CDLL(None, use_errno=True)
+attempt("unshare user", lambda: libc.unshare(0x10000000) or "succeeded")
+attempt("unshare mount", lambda: libc.unshare(0x00020000) or "succeeded")
+attempt("mount tmpfs", lambda: libc.mount(b"none", b"/work", b"tmpfs", 0, None) or "succeeded")
+"""
+
+
+def escape_code(body: str, **args: object) -> str:
+    """An attempt program: the ``attempt`` helper, ``ARGS``, then ``body``."""
+    return f"{_ESCAPE_HELPER}\nARGS = {args!r}\n{body}"
+
+
+def sandbox_run(sandbox: PythonSandbox, *codes: str) -> list[str | BaseException]:
+    """Each code's observation (text, or the exception the tool raised), run concurrently."""
+
+    async def runs():
+        return await asyncio.gather(*(sandbox.run(c) for c in codes), return_exceptions=True)
+
+    return asyncio.run(runs())
+
+
+def sandbox_text(result: str | BaseException) -> str:
+    return result if isinstance(result, str) else f"{type(result).__name__}: {result}"
+
+
+def escape_results(output: str) -> dict[str, str]:
+    """``{name: "OK ..." | "ERR ..."}`` from an attempt program's output."""
+    pairs = (line.split(": ", 1) for line in output.splitlines() if ": " in line)
+    return {name: outcome for name, outcome in pairs}
+
+
+def processes_in_namespace(pid_namespace: str) -> list[int]:
+    """Host pids in the PID namespace ``pid_namespace`` (``pid:[inode]``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == pid_namespace:
+                pids.append(int(entry))
+    return pids
+
+
+def marked_processes(marker: str = SANDBOX_MARKER) -> list[int]:
+    """Host pids whose command line holds ``marker``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> PythonSandbox:
+    return PythonSandbox(timeout_s=10.0, max_output_chars=20000)
+
+
+@needs_bwrap
+def test_sandbox_hides_host_files(tmp_path: Path, sandbox: PythonSandbox) -> None:
+    """Pins: a secret file, /etc, /root, the home directory and the repo's files cannot be
+    read from the sandbox (they are not there), and / holds no /etc, /home or /tmp."""
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(SANDBOX_SECRET)
+    paths = [
+        str(secret_file),
+        "/etc/passwd",
+        "/etc/shadow",
+        "/root/.bashrc",
+        str(Path.home() / ".bashrc"),
+        str(SANDBOX_REPO / "pyproject.toml"),
+        str(SANDBOX_REPO / "creditrl" / "tools" / "bwrap.py"),
+    ]
+    (output,) = sandbox_run(sandbox, escape_code(ESCAPE_READ_FILES, paths=paths))
+    found = escape_results(sandbox_text(output))
+    assert all(found[path].startswith("ERR") for path in paths), found
+    assert SANDBOX_SECRET not in output and "build-system" not in output
+    top = found["listdir /"]
+    assert top.startswith("OK") and not {"'etc'", "'home'", "'tmp'"} & set(
+        re.findall(r"'\w+'", top)
+    )
+
+
+@needs_bwrap
+def test_sandbox_hides_environment_and_processes(
+    monkeypatch: pytest.MonkeyPatch, sandbox: PythonSandbox
+) -> None:
+    """Pins: a secret in the caller's environment and in a host process's initial environment
+    reaches no os.environ, environ or cmdline the sandbox can read; its os.environ holds only
+    bwrap.ENV (plus PWD); it sees only its own few pids, not the test process or its child."""
+    monkeypatch.setenv("CREDITRL_TEST_SECRET", SANDBOX_SECRET)
+    sleeper = subprocess.Popen(["sleep", "30"], env={"CREDITRL_TEST_SECRET": SANDBOX_SECRET})
+    try:
+        pids = {"test": os.getpid(), "child": sleeper.pid}
+        (output,) = sandbox_run(sandbox, escape_code(ESCAPE_READ_ENVIRON, pids=pids))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    output = sandbox_text(output)
+    found = escape_results(output)
+    assert SANDBOX_SECRET not in output and "pytest" not in output
+    assert all(
+        found[f"{name} {part}"].startswith("ERR")
+        for name in pids
+        for part in ("environ", "cmdline")
+    )
+    environ = ast.literal_eval(found["os.environ"].removeprefix("OK "))
+    assert set(environ) <= {*ENV, "PWD"} and environ["HOME"] == "/work"
+    visible = ast.literal_eval(found["pids"].removeprefix("OK "))
+    assert 1 <= len(visible) <= 3 and not {str(pid) for pid in pids.values()} & set(visible)
+
+
+@needs_bwrap
+def test_sandbox_cannot_write_or_delete_outside(tmp_path: Path, sandbox: PythonSandbox) -> None:
+    """Pins: every path API (open, os.open, pathlib, truncate, chmod, rename, remove, rmtree,
+    symlink and hard link, ctypes syscalls) fails on a host file, the interpreter's own files
+    and the read-only root and /dev; the host file and folder are untouched; /work is writable."""
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    victim = folder / "keep.txt"
+    victim.write_text("keep")
+    code = escape_code(ESCAPE_WRITE_OUTSIDE, victim=str(victim), folder=str(folder))
+    (output,) = sandbox_run(sandbox, code)
+    found = escape_results(sandbox_text(output))
+    assert found.pop("inside write") == "OK 1"
+    assert found.pop("symlink") == "OK None"  # a link inside /work, to a path not there
+    assert all(outcome.startswith("ERR") or outcome == "OK -1" for outcome in found.values()), found
+    assert {"write via symlink", "ctypes unlink", "stdlib remove", "write /dev/shm"} <= set(found)
+    assert victim.read_text() == "keep" and sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]
+
+
+@needs_bwrap
+def test_sandbox_clearing_the_old_audit_hook_escapes_nothing(
+    tmp_path: Path, sandbox: PythonSandbox
+) -> None:
+    """Pins: code that empties the old in-process audit hook's deny lists (which let it write
+    anywhere under isolation: none) finds no hook and still cannot write a host file or run
+    a program."""
+    victim = tmp_path / "escaped.txt"
+    (output,) = sandbox_run(sandbox, escape_code(ESCAPE_CLEAR_AUDIT_HOOK, victim=str(victim)))
+    found = escape_results(sandbox_text(output))
+    assert "hook" not in found
+    assert found["write after clearing"].startswith("ERR")
+    assert found["subprocess after clearing"].startswith("ERR")
+    assert not victim.exists()
+
+
+@needs_bwrap
+def test_sandbox_processes_stay_inside_and_limited() -> None:
+    """Pins: no shell or program besides the interpreter exists to run, a host process cannot
+    be signalled, and a fork bomb stops at max_processes (the interpreter included)."""
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        sandbox = PythonSandbox(timeout_s=10.0, max_processes=8)
+        (output,) = sandbox_run(sandbox, escape_code(ESCAPE_SPAWN, sleeper=sleeper.pid))
+        output = sandbox_text(output)
+        found = escape_results(output)
+        assert found["subprocess"] == "ERR FileNotFoundError"
+        assert found["subprocess python"] == "OK 0"  # the interpreter itself, inside
+        assert found["os.system"] == "OK 32512"  # exit status 127: no shell
+        assert found["kill test's child"] == "ERR ProcessLookupError"
+        assert sleeper.poll() is None
+        assert f"fork bomb: stopped after 7 errno {errno.EAGAIN}" in output  # 8 with itself
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@needs_bwrap
+def test_sandbox_has_no_network(sandbox: PythonSandbox) -> None:
+    """Pins: a TCP server on the host's 127.0.0.1 gets no connection from the sandbox, names
+    do not resolve, and the only interface is the sandbox's own loopback."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        (output,) = sandbox_run(sandbox, escape_code(ESCAPE_NETWORK, port=server.getsockname()[1]))
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # a connection would be waiting in the backlog
+    found = escape_results(sandbox_text(output))
+    assert found["tcp connect"].startswith("ERR") and found["resolve"].startswith("ERR")
+    assert found["interfaces"] == "OK ['lo']"
+
+
+@needs_bwrap
+def test_sandbox_leaves_no_process_behind(tmp_path: Path) -> None:
+    """Pins: a daemon (double fork, setsid, stdio closed) is gone when the call returns: when
+    the code ends right after starting it, no host process is left in the call's PID
+    namespace; on the wall-clock timeout (within timeout + 1 s) no process with the daemon's
+    marker is left, though one was visible while the call ran; its later write to a host path
+    never happens."""
+    sandbox = PythonSandbox(timeout_s=1.5)
+    marker_file = tmp_path / "marker"
+    seen_during: set[int] = set()
+
+    async def call(sleep: float) -> tuple[str | BaseException, float, list[int], list[int]]:
+        marker = f"{SANDBOX_MARKER}-{sleep}"
+        code = escape_code(ESCAPE_OUTLIVE, marker=marker, marker_file=str(marker_file), sleep=sleep)
+        start = time.monotonic()
+        try:
+            result: str | BaseException = await sandbox.run(code)
+        except Exception as e:
+            result = e
+        seconds, marked = time.monotonic() - start, marked_processes(marker)
+        namespace = re.search(r"pid:\[\d+\]", sandbox_text(result))
+        in_namespace = processes_in_namespace(namespace[0]) if namespace else []
+        return result, seconds, marked, in_namespace
+
+    async def watch() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            seen_during.update(marked_processes(f"{SANDBOX_MARKER}-60.0"))
+
+    async def runs():
+        return await asyncio.gather(call(0.0), call(60.0), watch())
+
+    ended, timed_out, _ = asyncio.run(runs())
+    assert ended[0].startswith("main: done in pid:[") and ended[1] < 1.5
+    assert ended[2] == ended[3] == []
+    assert isinstance(timed_out[0], TimeoutError) and "ran past 1.5s" in str(timed_out[0])
+    assert timed_out[1] < 1.5 + 1.0 and timed_out[2] == []
+    assert len(seen_during) == 1  # the daemon of the call that timed out, while it ran
+    time.sleep(1.2)
+    assert marked_processes() == [] and not marker_file.exists()
+
+
+@needs_bwrap
+def test_sandbox_disk_is_bounded() -> None:
+    """Pins: writing 200 MB into /work stops with ENOSPC at max_disk_mb (a tmpfs of that size,
+    not the host disk), and one file stops with EFBIG at max_file_bytes."""
+    roomy = PythonSandbox(timeout_s=20.0, max_disk_mb=16, max_file_bytes=1 << 30)
+    default = PythonSandbox(timeout_s=20.0)
+    full, big = sandbox_run(roomy, escape_code(ESCAPE_FILL_DISK, mb=200)) + sandbox_run(
+        default, escape_code(ESCAPE_FILL_DISK, mb=2)
+    )
+    match = re.search(r"disk: stopped at (\d+) MB errno (\d+)", sandbox_text(full))
+    assert match and int(match[1]) <= 16 and int(match[2]) == errno.ENOSPC, full
+    assert f"disk: stopped at 1 MB errno {errno.EFBIG}" in sandbox_text(big)
+
+
+@needs_bwrap
+def test_sandbox_memory_bomb_is_an_error_observation(sandbox: PythonSandbox) -> None:
+    """Pins: allocating past memory_mb, at once or bit by bit, ends the call with a
+    MemoryError observation, and the next call runs normally."""
+    at_once, growing = sandbox_run(
+        sandbox,
+        "x = bytearray(4 * 1024**3)",
+        "x = []\nwhile True:\n    x.append(bytearray(1 << 20))",
+    )
+    for result in (at_once, growing):
+        assert isinstance(result, RuntimeError) and "MemoryError" in str(result), result
+    assert sandbox_run(sandbox, "print(6 * 7)") == ["42\n"]
+
+
+@needs_bwrap
+def test_sandbox_cannot_raise_limits_or_nest_namespaces(sandbox: PythonSandbox) -> None:
+    """Pins: the code cannot raise its resource limits, create a user or mount namespace, or
+    mount a filesystem of its own (which could bypass the disk bound)."""
+    (output,) = sandbox_run(sandbox, escape_code(ESCAPE_NEST))
+    found = escape_results(sandbox_text(output))
+    assert found["raise RLIMIT_AS"] == found["raise RLIMIT_NPROC"] == "ERR ValueError"
+    assert found["unshare user"] == found["unshare mount"] == found["mount tmpfs"] == "OK -1"
+
+
+@needs_bwrap
+def test_sandbox_observations() -> None:
+    """Pins: the agent loop's observations under bwrap: stdout, the output cap marker, the
+    exit code with stderr, and the timeout error."""
+    sandbox = PythonSandbox(timeout_s=1.5, max_output_chars=200)
+    ok, flood, failed, spin = sandbox_run(
+        sandbox,
+        "print(sum(range(10)))",
+        "while True: print('a' * 100)",
+        "import sys; print('partial'); sys.exit('bad input')",
+        "while True: pass",
+    )
+    assert ok == "45\n"
+    assert isinstance(flood, str) and flood.endswith("...[output cut at 200 bytes]")
+    assert isinstance(failed, RuntimeError) and str(failed) == "exit code 1\npartial\nbad input"
+    assert isinstance(spin, TimeoutError) and "1.5s" in str(spin)
+
+
+def test_sandbox_refuses_to_start_without_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins: with no bwrap on PATH the tool refuses with the one-line install-or-opt-out
+    message, and isolation: none still builds the tool."""
+    monkeypatch.setattr(bwrap_module.shutil, "which", lambda name: None)
+    bwrap_problem.cache_clear()
+    try:
+        with pytest.raises(UserError, match=re.escape(NOT_FOUND)):
+            python_tool()
+        with pytest.raises(UserError, match=re.escape(NOT_FOUND)):
+            PythonSandbox(isolation="bwrap")
+        assert "\n" not in NOT_FOUND and "isolation: none" in NOT_FOUND
+        assert python_tool(isolation="none").name == "python"
+    finally:
+        bwrap_problem.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"isolation": "docker"}, r"isolation 'docker' is not one of \['bwrap', 'none'\]"),
+        ({"max_disk_mb": 0}, "max_disk_mb must be an integer >= 1, got 0"),
+        ({"max_processes": "8"}, "max_processes must be an integer >= 1, got '8'"),
+        ({"timeout_s": -1}, "timeout_s must be a number > 0, got -1"),
+    ],
+)
+def test_sandbox_settings_are_checked(kwargs: dict, match: str) -> None:
+    """Pins: each bad tool setting is a one-line ConfigError naming it and what is allowed."""
+    with pytest.raises(ConfigError, match=match):
+        python_tool(**{"isolation": "none", **kwargs})
+
+
+def test_sandbox_isolation_none_from_yaml(tmp_path: Path) -> None:
+    """Pins: a tool config's ``kwargs: {isolation: none}`` reaches the python tool, which then
+    runs code as a plain subprocess (no bwrap needed)."""
+    config = tmp_path / "tools.yaml"
+    config.write_text("tools:\n  - name: python\n    kwargs: {isolation: none, timeout_s: 5}\n")
+    registry = build_registry([], str(config))
+    result = asyncio.run(registry.call("python", {"code": "import sys; print(sys.flags.isolated)"}))
+    assert (result.status, result.output) == ("ok", "1\n")
+    config.write_text("tools:\n  - name: python\n    kwargs: {isolation: off}\n")
+    with pytest.raises(ConfigError, match="isolation False is not one of"):
+        build_registry([], str(config))
+
+
+def test_sandbox_skip_reason_is_one_line() -> None:
+    """Pins: the reason the bwrap tests skip (if they do) is one line saying what to do."""
+    assert "\n" not in _BWRAP_MISSING
+    assert not _BWRAP_MISSING or "isolation: none" in _BWRAP_MISSING
