@@ -472,7 +472,7 @@ def test_user_errors_from_the_trainer_are_one_line(capsys, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "override,named",
     [
-        ("algorithm.lam=0.9", "is not GAE"),
+        ("algorithm.lam=0.9", "has no lambda"),
         ("algorithm.gamma=0.9", "does not discount"),
         ("algorithm.norm_adv_by_std_in_grpo=false preset=rloo", "no group std"),
         ("actor.clip_ratio_c=2.0 actor.policy_loss=gspo", "no dual clip"),

@@ -281,6 +281,7 @@ class AsyncConfig:
     max_rejects: int = 16  # a sampler whose groups are rejected this often is disconnected
     sampler_threads: int = 0  # torch threads per sampler; 0: trainer.num_threads
     learner_threads: int = 0  # torch threads per learner rank; 0: trainer.num_threads
+    launcher: str = "processes"  # how `creditrl async` starts them: processes | ray (actors)
 
 
 @dataclass

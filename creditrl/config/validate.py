@@ -23,34 +23,36 @@ from creditrl.usercode import is_code_spec
 
 __all__ = [
     "CHOICES",
-    "GROUP_ESTIMATORS",
     "RANGES",
     "Range",
     "all_choices",
     "format_value",
     "unused_settings",
+    "uses_critic",
     "validate_config",
 ]
 
-# Built-in advantage estimators that compare the rollout.n answers to one prompt: with a group
-# of one (or identical answers) every advantage is 0.
-GROUP_ESTIMATORS = frozenset(
-    {
-        "grpo",
-        "grpo_multiturn",
-        "dr_grpo",
-        "rloo",
-        "opo",
-        "gpg",
-        "grpo_passk",
-        "reinforce_plus_plus_baseline",
-    }
-)
+def _estimator(cfg: Config) -> dict[str, Any] | None:
+    """What the configured estimator declared at registration (``requires``, ``grouped``,
+    ``options``); None for a ``file.py:name`` spec, which is judged once it is loaded."""
+    from creditrl.core import ADV_ESTIMATORS
 
-# Built-in estimators that read algorithm.gamma / divide by the group std
-# (norm_adv_by_std_in_grpo); a user estimator (file.py:name) is not judged.
-GAMMA_ESTIMATORS = frozenset({"gae", "reinforce_plus_plus"})
-STD_NORMALISED_ESTIMATORS = frozenset({"grpo", "grpo_multiturn", "grpo_passk"})
+    name = cfg.algorithm.adv_estimator
+    return ADV_ESTIMATORS.info(name) if name in ADV_ESTIMATORS else None
+
+
+def _declares(cfg: Config, key: str, value: str | None = None) -> bool:
+    """The estimator declares ``key`` (a flag), or ``value`` among ``key``'s names."""
+    info = _estimator(cfg)
+    if info is None:
+        return True
+    return bool(info.get(key)) if value is None else value in info.get(key, ())
+
+
+def uses_critic(cfg: Config) -> bool:
+    """The configured estimator requires ``values`` (so a critic is built)."""
+    return _declares(cfg, "requires", "values")
+
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),  # models.loading
@@ -74,6 +76,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "asynchronous.ref_on": ("sampler", "learner"),
     "asynchronous.old_log_probs": ("learner", "sampler"),
     "asynchronous.lora_sync": ("merged", "adapter"),
+    "asynchronous.launcher": ("processes", "ray"),
     "agent.truncate_side": ("left", "right", "middle"),  # tools.output
     "agent.reward_manager": ("structured", "rule"),
 }
@@ -347,9 +350,9 @@ def _check_batches(cfg: Config, section: str) -> None:
 def _check_combinations(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
     _check_batches(cfg, "actor")
-    if alg.adv_estimator == "gae":
+    if uses_critic(cfg) and _estimator(cfg) is not None:
         _check_batches(cfg, "critic")
-    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    if _estimator(cfg) is not None and _declares(cfg, "grouped") and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={alg.adv_estimator} compares the rollout.n answers to each "
             f"prompt; rollout.n={n} gives every advantage 0; set rollout.n >= 2 or use an "
@@ -418,7 +421,7 @@ UnusedRule = tuple[Callable[[Config], bool], tuple[str, ...], Callable[[Config],
 VLLM_KEYS = ("gpu_memory_utilization", "enable_sleep_mode", "vllm_dtype", "tensor_parallel_size")
 UNUSED_RULES: tuple[UnusedRule, ...] = (
     (
-        lambda c: c.algorithm.adv_estimator != "gae",
+        lambda c: not uses_critic(c),
         ("critic.", "model.critic_path", "trainer.critic_warmup", "trainer.critic_placement"),
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
     ),
@@ -467,17 +470,17 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: "algorithm.kl_ctrl.type=fixed",
     ),
     (
-        lambda c: c.algorithm.adv_estimator != "gae",
+        lambda c: not _declares(c, "options", "lam"),
         ("algorithm.lam",),
-        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} is not GAE",
+        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} has no lambda",
     ),
     (
-        lambda c: c.algorithm.adv_estimator not in GAMMA_ESTIMATORS,
+        lambda c: not _declares(c, "options", "gamma"),
         ("algorithm.gamma",),
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} does not discount",
     ),
     (
-        lambda c: c.algorithm.adv_estimator not in STD_NORMALISED_ESTIMATORS,
+        lambda c: not _declares(c, "options", "norm_adv_by_std_in_grpo"),
         ("algorithm.norm_adv_by_std_in_grpo",),
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} divides by no group std",
     ),

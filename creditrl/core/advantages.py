@@ -34,7 +34,31 @@ __all__ = [
 
 AdvFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: Registry[AdvFn] = Registry("advantage estimator")
-register_adv_est = ADV_ESTIMATORS.register
+
+
+def register_adv_est(
+    name: str,
+    *aliases: str,
+    requires: tuple[str, ...] = (),
+    grouped: bool = False,
+    options: tuple[str, ...] = (),
+) -> Callable[[AdvFn], AdvFn]:
+    """Decorator: register an advantage estimator under ``name`` (and ``aliases``).
+
+    It is called as ``fn(token_level_rewards, response_mask, index, **options)`` and returns
+    ``(advantages, returns)``, each (B, T). It declares what the trainer must build for it:
+
+    - ``requires``: catalogue fields it reads beyond rewards, mask and uid: ``values`` (a
+      critic is built and trained), ``reward_baselines`` (the greedy baseline rollout),
+      ``turn_scores`` / ``global_scores`` (a structured reward), ``token_level_scores``;
+    - ``grouped``: it compares the answers to one prompt (``rollout.n`` >= 2 and sampling
+      with a temperature are required);
+    - ``options``: the ``algorithm.*`` settings it reads (``gamma``, ``lam``,
+      ``norm_adv_by_std_in_grpo``); a key it does not read draws a warning when set.
+    """
+    return ADV_ESTIMATORS.register(
+        name, *aliases, requires=tuple(requires), grouped=grouped, options=tuple(options)
+    )
 Index = Sequence[Any] | np.ndarray | torch.Tensor
 
 
@@ -128,7 +152,7 @@ def _gae_raw(
     return adv, returns
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", requires=("values",), options=("gamma", "lam"))
 def _gae(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -184,7 +208,7 @@ def _broadcast(adv: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> tor
     return adv.to(dtype).unsqueeze(-1) * mask.to(dtype)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -208,7 +232,7 @@ def compute_grpo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("grpo_multiturn")
+@register_adv_est("grpo_multiturn", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_multiturn_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -262,7 +286,7 @@ def compute_grpo_multiturn_advantage(
     return out, out
 
 
-@register_adv_est("dr_grpo")
+@register_adv_est("dr_grpo", grouped=True)
 def compute_dr_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -275,7 +299,7 @@ def compute_dr_grpo_outcome_advantage(
     return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, **options)
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", grouped=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -293,7 +317,7 @@ def compute_rloo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", grouped=True)
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -311,7 +335,7 @@ def compute_opo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", grouped=True)
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -332,7 +356,7 @@ def compute_gpg_outcome_advantage(
     return out, out
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -365,7 +389,7 @@ def compute_grpo_passk_outcome_advantage(
     return out, out
 
 
-@register_adv_est("reinforce_plus_plus")
+@register_adv_est("reinforce_plus_plus", options=("gamma",))
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -381,7 +405,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", grouped=True)
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -399,7 +423,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return out, out
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", requires=("reward_baselines",))
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -14,18 +14,26 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, F] = {}
+        self._info: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
-        """Decorator: register ``fn`` under ``name`` and each alias."""
+    def register(self, name: str, *aliases: str, **info: Any) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` and each alias, with ``info`` (what the
+        entry declares about itself, e.g. an estimator's ``requires``; see ``info``)."""
 
         def wrap(fn: F) -> F:
             for key in (name, *aliases):
                 if key in self._items and self._items[key] is not fn:
                     raise ValueError(f"{self.kind} {key!r} is already registered")
                 self._items[key] = fn
+                self._info[key] = dict(info)
             return fn
 
         return wrap
+
+    def info(self, name: str) -> dict[str, Any]:
+        """What ``name`` declared when it was registered (KeyError like ``get``)."""
+        self.get(name)
+        return self._info[name]
 
     def get(self, name: str) -> F:
         """The function registered as ``name``; KeyError listing the choices otherwise."""
