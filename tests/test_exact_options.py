@@ -17,7 +17,7 @@ from creditrl.batch import Batch
 from creditrl.config import AlgorithmConfig
 from creditrl.config.schema import RolloutISConfig
 from creditrl.core import ADV_ESTIMATORS, compute_rollout_corr_metrics
-from creditrl.trainers import stages
+from creditrl.pipeline import stages
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask")

@@ -88,7 +88,7 @@ from creditrl.tracking import (
     compute_timing_metrics,
     response_info,
 )
-from creditrl.trainers import stages
+from creditrl.pipeline import stages
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.workers import ActorWorker
 from creditrl.workers.checkpoint_io import load_trainable, save_trainable

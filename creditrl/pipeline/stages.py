@@ -1,5 +1,6 @@
-"""Batch-level stages of a step that need no model: uids, KL into rewards, DAPO shaping and
-filtering, rollout importance weights, advantages. Each reads and writes named Batch fields."""
+"""The stages of a step that need no model: uids and seeds, KL into rewards, DAPO shaping and
+filtering, mismatch metrics, rollout importance weights, advantages. Each reads and writes
+named Batch fields (``READS`` / ``WRITES`` below; names from the field catalogue)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,34 @@ __all__ = [
     "apply_overlong_penalty",
     "compute_advantages",
     "kl_into_rewards",
-    "merge",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
     "varied_groups",
 ]
+
+
+# What each stage reads and writes (catalogue field names); the pipeline composes them in
+# spec 002's order (creditrl.pipeline.step).
+READS: dict[str, tuple[str, ...]] = {
+    "add_uids": (),
+    "add_sample_seeds": ("uid",),
+    "kl_into_rewards": ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask"),
+    "apply_overlong_penalty": ("token_level_rewards", "response_mask"),
+    "rollout_mismatch_metrics": ("old_log_probs", "rollout_log_probs", "response_mask"),
+    "rollout_is_weights": ("old_log_probs", "rollout_log_probs", "response_mask"),
+    "compute_advantages": ("token_level_rewards", "response_mask", "uid"),
+    "varied_groups": ("token_level_scores", "uid"),
+}
+WRITES: dict[str, tuple[str, ...]] = {
+    "add_uids": ("uid",),
+    "add_sample_seeds": ("sample_seed", "traj_id"),
+    "kl_into_rewards": ("token_level_rewards",),
+    "apply_overlong_penalty": ("token_level_rewards",),
+    "rollout_mismatch_metrics": (),
+    "rollout_is_weights": ("rollout_is_weights", "loss_mask"),
+    "compute_advantages": ("advantages", "returns"),
+    "varied_groups": (),
+}
 
 
 def add_uids(batch: Batch, rng: np.random.Generator) -> Batch:
@@ -51,16 +75,6 @@ def add_sample_seeds(batch: Batch, rng: np.random.Generator) -> Batch:
         seen[str(uid)] = k + 1
         ids.append(f"{uid}/{k}")
     batch["traj_id"] = ids
-    return batch
-
-
-def merge(batch: Batch, new: Batch) -> Batch:
-    """Add (or replace) ``new``'s fields in ``batch``, in place; the rows must correspond."""
-    if len(new) != len(batch):
-        raise ValueError(f"a worker returned {len(new)} rows for a batch of {len(batch)}")
-    fields = new.keys()
-    for key in fields:
-        batch[key] = new[key]
     return batch
 
 

@@ -1,0 +1,227 @@
+"""One step pipeline (spec 002), composed in one place and split in two halves.
+
+``generation_half``: generate (engine or agent loop) -> greedy baseline when the estimator
+requires ``reward_baselines`` -> reward. ``training_half``: old log-probs -> reference
+log-probs -> values (when the estimator requires them) -> KL into rewards -> overlong shaping
+-> mismatch metrics -> rollout importance weights -> advantages -> critic update -> actor
+update. The synchronous trainer runs both; the async sampler runs the first (plus the
+reference when it computes it) and the learner the second: the same functions, not copies.
+
+The model calls go through a worker group (``creditrl.controller``: in process or on Ray), so
+the pipeline cannot tell where the models live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from creditrl.batch import Batch
+from creditrl.config import AlgorithmConfig, Config
+from creditrl.core import get_kl_controller
+from creditrl.data import collate_prompts
+from creditrl.pipeline import stages
+from creditrl.pipeline.plan import Plan
+from creditrl.tracking import Timer
+
+__all__ = ["StepPipeline", "build_reward_manager", "rollout_log_probs_reusable"]
+
+
+def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
+    """The reward manager of ``cfg``: spec 001's structured manager for agent runs that ask for
+    it, else the rule scorers (and reward model) chosen by ``data_source``."""
+    if cfg.agent.enable and cfg.agent.reward_manager == "structured":
+        from creditrl.agents.rewards import StructuredRewardManager
+
+        return StructuredRewardManager(cfg.reward, cfg.agent, tokenizer)
+    from creditrl.rewards import RewardManager
+
+    return RewardManager(cfg.reward, tokenizer)
+
+
+def rollout_log_probs_reusable(cfg: Config) -> bool:
+    """The rollout's log-probs can stand for ``old_log_probs``: the engine samples from exactly
+    the actor's distribution (``creditrl.rollout.rollout_log_probs_are_actors``), and rollout
+    IS is off (it compares recomputed log-probs with the sampler's; with reused ones its
+    weights would be exactly 1, a silent no-op)."""
+    return (
+        cfg.actor.use_rollout_log_probs
+        and not cfg.algorithm.rollout_is.enable
+        and _rollout_log_probs_are_actors(cfg)
+    )
+
+
+def _rollout_log_probs_are_actors(cfg: Config) -> bool:
+    """Provisional: the HF engine without top-k/top-p samples the actor's distribution."""
+    return (
+        cfg.rollout.engine == "hf"
+        and cfg.rollout.top_k <= 0
+        and cfg.rollout.top_p >= 1.0
+        and not (cfg.agent.enable and not cfg.agent.state_masking)
+    )
+
+
+@dataclass
+class StepPipeline:
+    """The stages of a step over ``workers`` (a worker group) and ``reward`` (a reward
+    manager), as ``cfg`` and its ``plan`` ask. ``algorithm`` defaults to ``cfg.algorithm`` (the
+    learner turns rollout IS on for stale rows)."""
+
+    cfg: Config
+    workers: Any
+    reward: Any
+    tokenizer: Any
+    algorithm: AlgorithmConfig | None = None
+    plan: Plan = field(init=False)
+    kl_ctrl: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plan = Plan.from_config(self.cfg)
+        self.algorithm = self.algorithm or self.cfg.algorithm
+        kl = self.algorithm.kl_ctrl
+        self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+
+    # ---- generation half -----------------------------------------------------------------
+
+    def generate(self, prompts: Batch, step: int, **kwargs: Any) -> Batch:
+        """Responses (ids, masks, rollout log-probs) to ``prompts``; ``meta`` says how."""
+        batch = self.workers.generate(prompts, **kwargs)
+        batch.meta.update(
+            temperature=self.cfg.rollout.temperature,
+            max_response_length=self.cfg.rollout.max_response_length,
+            eos_token_id=self.tokenizer.eos_token_id,
+            step=step,
+        )
+        return batch
+
+    def generation_half(
+        self, prompts: Batch, step: int, timing: dict[str, float], **kwargs: Any
+    ) -> tuple[Batch, Any]:
+        """generate -> (greedy baseline) -> submit for scoring. Returns the batch and the
+        reward future; ``score`` writes its result when it is wanted."""
+        with Timer("gen", timing):
+            batch = self.generate(prompts, step, **kwargs)
+        if self.plan.needs_greedy_baseline:
+            with Timer("gen_greedy", timing):
+                greedy = self.workers.generate(prompts, greedy=True)
+                batch["reward_baselines"] = self.reward(greedy).scores.float()
+        return batch, self.reward.submit(batch)
+
+    @staticmethod
+    def score(batch: Batch, future: Any, timing: dict[str, float], name: str) -> dict[str, float]:
+        """Wait for the reward and write ``token_level_scores`` (and extras) into ``batch``."""
+        with Timer(name, timing):
+            result = future.result()
+        result.write_to(batch)
+        return dict(result.metrics)
+
+    # ---- training half -------------------------------------------------------------------
+
+    def old_log_probs(self, batch: Batch, keep_rollout: torch.Tensor | bool) -> Batch:
+        """``old_log_probs``: the rollout's where ``keep_rollout`` is True (rows the sampler
+        provably sampled from the actor's own distribution), recomputed by the actor elsewhere
+        (with ``entropys`` when every row is recomputed)."""
+        keep = torch.as_tensor(keep_rollout).expand(len(batch)) if len(batch) else None
+        if keep is not None and bool(keep.all()):
+            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+            return batch
+        if keep is None or not bool(keep.any()):
+            new = self.workers.compute_log_prob(batch, self.cfg.rollout.temperature)
+            return batch.union(new)
+        rows = (~keep).nonzero().flatten()
+        new = self.workers.compute_log_prob(batch[rows], self.cfg.rollout.temperature)
+        old = batch["rollout_log_probs"].clone()
+        old[rows] = new["old_log_probs"].to(old.dtype)
+        batch["old_log_probs"] = old
+        return batch
+
+    def training_half(
+        self,
+        batch: Batch,
+        timing: dict[str, float],
+        *,
+        keep_rollout: torch.Tensor | bool,
+        update_actor: bool = True,
+    ) -> tuple[Batch, dict[str, float]]:
+        """old/ref log-probs, values, rewards, weights, advantages, critic and actor updates."""
+        cfg, plan, metrics = self.cfg, self.plan, {}
+        if "old_log_probs" not in batch:
+            with Timer("old_log_prob", timing):
+                batch = self.old_log_probs(batch, keep_rollout)
+        if plan.needs_ref and "ref_log_prob" not in batch:
+            with Timer("ref", timing):
+                batch = batch.union(
+                    self.workers.compute_ref_log_prob(batch, cfg.rollout.temperature)
+                )
+        if plan.needs_critic:
+            with Timer("values", timing):
+                batch = batch.union(self.workers.compute_values(batch))
+        with Timer("adv", timing):
+            metrics.update(self.advantages(batch))
+        if plan.needs_critic:
+            with Timer("update_critic", timing):
+                metrics.update(self.workers.update_critic(batch))
+        if update_actor:
+            with Timer("update_actor", timing):
+                metrics.update(self.workers.update_actor(batch, cfg.rollout.temperature))
+        return batch, metrics
+
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        """KL into rewards -> overlong shaping -> mismatch metrics -> rollout IS -> advantages
+        (the model-free block; ``kl_ctrl`` moves with the measured KL)."""
+        alg = self.algorithm
+        metrics = stages.kl_into_rewards(batch, alg, self.kl_ctrl.value)
+        if "actor/reward_kl_penalty" in metrics:
+            self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+        metrics.update(
+            stages.apply_overlong_penalty(batch, alg, self.cfg.rollout.max_response_length)
+        )
+        metrics.update(stages.rollout_mismatch_metrics(batch))
+        metrics.update(stages.rollout_is_weights(batch, alg))
+        stages.compute_advantages(batch, alg)
+        return metrics
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def validate(self, rows: Sequence[Any]) -> dict[str, float]:
+        """Greedy (or ``val_temperature``) responses to ``rows``: val/score, val/<source>/score
+        (mean@1), val/<source>/pass@k when ``val_n`` > 1, and val/<source>/strict_accuracy
+        when the scorer reports ``answer_score`` and ``format_score`` (tagged and correct)."""
+        if not rows:
+            return {}
+        cfg = self.cfg.rollout
+        chunk_size = max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)
+        scores: dict[str, list[float]] = {}
+        strict: dict[str, list[float]] = {}
+        for start in range(0, len(rows), chunk_size):
+            prompts = collate_prompts(
+                list(rows[start : start + chunk_size]), self.tokenizer.pad_token_id
+            ).repeat(cfg.val_n)
+            batch = self.workers.generate(
+                prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
+            )
+            result = self.reward(batch)
+            sources = list(batch["data_source"])
+            for i, score in enumerate(result.scores.tolist()):
+                scores.setdefault(sources[i], []).append(score)
+            extra = getattr(result, "extra", {})
+            answer, fmt = extra.get("answer_score"), extra.get("format_score")
+            if answer is not None and fmt is not None:
+                for i, (a, f) in enumerate(zip(answer, fmt, strict=True)):
+                    ok = a is not None and f is not None and float(a) >= 1.0 and float(f) >= 1.0
+                    strict.setdefault(sources[i], []).append(float(ok))
+        out = {"val/score": float(np.mean([v for vs in scores.values() for v in vs]))}
+        for source, values in scores.items():
+            arr = np.array(values).reshape(-1, cfg.val_n)
+            out[f"val/{source}/score"] = float(arr.mean())
+            if cfg.val_n > 1:
+                out[f"val/{source}/pass@{cfg.val_n}"] = float((arr.max(axis=1) > 0.5).mean())
+        for source, values in strict.items():
+            out[f"val/{source}/strict_accuracy"] = float(np.mean(values))
+        if strict:
+            out["val/strict_accuracy"] = float(np.mean([v for vs in strict.values() for v in vs]))
+        return out
