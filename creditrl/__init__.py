@@ -5,17 +5,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from creditrl.api import train
     from creditrl.batch import Batch
 
-__all__ = ["Batch", "__version__"]
+__all__ = ["Batch", "__version__", "train"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``creditrl.Batch`` on first use: subprocesses that import a small part of the package
-    (reward workers) do not pay for torch and tensordict."""
+    """``creditrl.Batch`` and ``creditrl.train`` on first use: subprocesses that import a small
+    part of the package (reward workers) do not pay for torch and tensordict."""
     if name == "Batch":
         from creditrl.batch import Batch
 
         return Batch
+    if name == "train":
+        from creditrl.api import train
+
+        return train
     raise AttributeError(f"module 'creditrl' has no attribute {name!r}")

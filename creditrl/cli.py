@@ -54,11 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in [
         ("train", "train (the default: GRPO on SmolLM2-135M-Instruct, chain_sum)"),
         ("run", "alias of train"),
-        ("config", "print the resolved config"),
+        ("config", "print the resolved config, or with --doc what every key means"),
         ("eval", "validation only"),
     ]:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+        if name == "config":
+            cmd.add_argument(
+                "--doc",
+                nargs="?",
+                const="",
+                metavar="SECTION",
+                help="print every key (or SECTION's, e.g. actor, algorithm.rollout_is, or one "
+                "key): type, default, allowed values and what it does",
+            )
+            cmd.add_argument(
+                "--markdown", action="store_true", help="with --doc: as docs/config.md"
+            )
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
@@ -69,10 +81,30 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args, console))
     config_file, overrides = _split_args(args.args)
     try:
+        if getattr(args, "doc", None) is not None or getattr(args, "markdown", False):
+            return _doc(args, console)
         return _run(args.command, config_file, overrides, console)
     except UserError as err:
         print_error(console, err)
         return 2
+
+
+def _doc(args: argparse.Namespace, console: Console) -> int:
+    """``config --doc [SECTION] [--markdown]``: the keys' docs on stdout (defaults only)."""
+    from creditrl.config.doc import render_markdown, render_text
+
+    if args.doc is None:
+        raise UserError("--markdown goes with --doc: creditrl config --doc [SECTION] --markdown")
+    if args.args:
+        raise UserError(
+            f"config --doc documents the defaults and takes no CONFIG or overrides, got "
+            f"{' '.join(args.args)}; run creditrl config {' '.join(args.args)} to resolve them"
+        )
+    if args.markdown:
+        sys.stdout.write(render_markdown(args.doc or None))
+    else:
+        sys.stdout.write(render_text(args.doc or None, min(console.width, 100)))
+    return 0
 
 
 def _run(command: str, config_file: Path | None, overrides: list[str], console: Console) -> int:

@@ -245,7 +245,7 @@ def test_gspo_and_grpo_loss_values_equal_hand_computation(tmp_path: Path, loss: 
         new + torch.tensor([[0.0, -0.1, 0.1, 0.2], [0.05, 0.2, -0.4, 0.0]])
     ) * mask
     batch["staleness"] = torch.zeros(2, dtype=torch.long)
-    metrics = learner.update(batch, {})
+    _, metrics = learner.update(batch, {})
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO: scores (1, 0), mean 0.5, unbiased std sqrt(0.5)
     torch.testing.assert_close(batch["advantages"][0, :4], torch.full((4,), a))
     torch.testing.assert_close(batch["advantages"][1, :3], torch.full((3,), -a))

@@ -107,14 +107,12 @@ def test_static_choices_match_the_modules_that_read_them() -> None:
     """CHOICES entries equal the constants of the modules that consume those keys."""
     from creditrl.data.dataset import OVERLONG_MODES
     from creditrl.models.loading import _DTYPES as MODEL_DTYPES
-    from creditrl.rollout.factory import ROLLOUT_ENGINES
     from creditrl.tools.output import TRUNCATE_SIDES
     from creditrl.tracking.sinks import LOGGERS
     from creditrl.workers.parallel import _DTYPES as FSDP_DTYPES
 
     assert set(CHOICES["model.dtype"]) == set(MODEL_DTYPES)
     assert set(CHOICES["trainer.fsdp_param_dtype"]) == set(FSDP_DTYPES)
-    assert set(CHOICES["rollout.engine"]) == set(ROLLOUT_ENGINES)
     assert set(CHOICES["trainer.logger"]) == set(LOGGERS)
     assert set(CHOICES["data.overlong_prompt"]) == set(OVERLONG_MODES)
     assert set(CHOICES["agent.truncate_side"]) == set(TRUNCATE_SIDES)

@@ -14,9 +14,9 @@ from transformers import LlamaForCausalLM
 from creditrl import Batch
 from creditrl.config.schema import ActorConfig, RolloutConfig
 from creditrl.core import compute_rollout_importance_weights, kl_penalty, masked_mean
+from creditrl.errors import ConfigError
 from creditrl.models.tiny import tiny_model_dir
-from creditrl.rollout import HFRolloutEngine, SamplingParams
-from creditrl.rollout.factory import build_rollout_engine
+from creditrl.rollout import EngineArgs, HFRolloutEngine, SamplingParams, build_rollout_engine
 from creditrl.rollout.vllm_engine import (
     VLLMRolloutEngine,
     WeightLoaderExtension,
@@ -347,15 +347,40 @@ def test_sleep_wake_and_level_two_needs_new_weights(model, tokenizer):
 
 
 def test_build_rollout_engine_choices(model, tokenizer):
+    """The registry builds ``hf`` over the given module, refuses an unknown name with a
+    ConfigError listing the choices, ``hf`` without a module, and ``vllm`` where it cannot run
+    (a one-line ConfigError naming vllm and suggesting rollout.engine=hf)."""
     cfg = RolloutConfig()
-    assert isinstance(build_rollout_engine(model, "unused", tokenizer, cfg), HFRolloutEngine)
-    with pytest.raises(ValueError, match=r"rollout\.engine must be one of \['hf', 'vllm'\]"):
-        build_rollout_engine(model, "unused", tokenizer, replace(cfg, engine="sglang"))
+    built = build_rollout_engine(EngineArgs(cfg, tokenizer, "unused", model))
+    assert isinstance(built, HFRolloutEngine) and built.model is model
+    unknown = r"rollout\.engine: unknown rollout engine 'sglang'; choose one of \[.*'hf'.*'vllm'"
+    with pytest.raises(ConfigError, match=unknown):
+        build_rollout_engine(EngineArgs(replace(cfg, engine="sglang"), tokenizer, "unused", model))
     with pytest.raises(ValueError, match="pass it"):
-        build_rollout_engine(None, "unused", tokenizer, cfg)
+        build_rollout_engine(EngineArgs(cfg, tokenizer, "unused"))
     if UNAVAILABLE is not None:
-        with pytest.raises(RuntimeError, match=r"pip install 'creditrl\[vllm\]'|CUDA"):
-            build_rollout_engine(None, tiny_model_dir(), tokenizer, replace(cfg, engine="vllm"))
+        vllm_cfg = replace(cfg, engine="vllm")
+        with pytest.raises(
+            ConfigError, match=r"^rollout\.engine=vllm: .*use rollout\.engine=hf"
+        ) as e:
+            build_rollout_engine(EngineArgs(vllm_cfg, tokenizer, tiny_model_dir()))
+        assert UNAVAILABLE in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllm_engine_refuses_lora_and_launches_externally_on_ranks(tokenizer, monkeypatch):
+    """``VLLMRolloutEngine.from_args``: LoRA policies are refused (ConfigError), and on the
+    ranks of a distributed job vLLM gets the external_launcher executor with the rollout.*
+    vLLM settings."""
+    cfg = replace(RolloutConfig(), engine="vllm", gpu_memory_utilization=0.3, vllm_dtype="half")
+    with pytest.raises(ConfigError, match=r"model\.lora_rank > 0"):
+        VLLMRolloutEngine.from_args(EngineArgs(cfg, tokenizer, "dir", lora=True))
+    seen = {}
+    monkeypatch.setattr(VLLMRolloutEngine, "__init__", lambda self, *a, **kw: seen.update(kw))
+    VLLMRolloutEngine.from_args(EngineArgs(cfg, tokenizer, "dir", seed=4, world_size=2))
+    assert seen["llm_kwargs"] == {"distributed_executor_backend": "external_launcher"}
+    assert (seen["seed"], seen["gpu_memory_utilization"], seen["dtype"]) == (4, 0.3, "half")
+    VLLMRolloutEngine.from_args(EngineArgs(cfg, tokenizer, "dir"))
+    assert seen["llm_kwargs"] is None
 
 
 # ---- real vLLM on a GPU --------------------------------------------------------------------

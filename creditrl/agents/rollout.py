@@ -1,7 +1,7 @@
 """AgentRollout: the agent loop behind the rollout engine's interface, so the trainer's rollout
 stage runs multi-turn tool use with any engine.
 
-``generate(prompts, greedy=False, temperature=None) -> Batch`` takes the prompt Batch
+``generate(prompts, greedy=False, temperature=None, seed=None) -> Batch`` takes the prompt Batch
 (left-padded ``input_ids``/``attention_mask``; ``raw_prompt`` messages if present) and returns
 what ``HFRolloutEngine.generate`` returns (``prompts``, ``responses``, ``response_mask``,
 ``input_ids``, ``attention_mask``, ``position_ids``, ``rollout_log_probs``) plus ``turn_ids``
@@ -181,9 +181,17 @@ class AgentRollout:
         return self.engine.model
 
     def generate(
-        self, prompts: Batch, *, greedy: bool = False, temperature: float | None = None
+        self,
+        prompts: Batch,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
     ) -> Batch:
-        """Multi-turn trajectories for every row of ``prompts``."""
+        """Multi-turn trajectories for every row of ``prompts``; ``seed`` re-seeds the
+        engine's generator first (rows with a ``sample_seed`` use their own streams)."""
+        if seed is not None and self.generator is not None:
+            self.generator.manual_seed(seed)
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
         raw = list(prompts["raw_prompt"]) if "raw_prompt" in prompts else None

@@ -31,7 +31,6 @@ cover rank 0's shard (whole groups, ``data.train_batch_size / learners`` of them
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -71,14 +70,17 @@ from creditrl.asynchronous.weights import WeightPublisher
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.config.loader import to_dict
-from creditrl.controller.distributed import all_reduce_sum, broadcast_bytes, scatter_batches
-from creditrl.core import get_kl_controller
+from creditrl.controller import LocalWorkerGroup
+from creditrl.controller.distributed import broadcast_bytes, scatter_batches
 from creditrl.models import (
-    apply_lora,
-    disabled_adapters,
-    load_causal_lm,
     load_tokenizer,
     resolve_model_path,
+)
+from creditrl.pipeline.step import (
+    StepPipeline,
+    build_reward_manager,
+    build_run_datasets,
+    rollout_log_probs_are_actors,
 )
 from creditrl.tracking import (
     RolloutDumper,
@@ -88,10 +90,7 @@ from creditrl.tracking import (
     compute_timing_metrics,
     response_info,
 )
-from creditrl.pipeline import stages
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
-from creditrl.workers import ActorWorker
-from creditrl.workers.checkpoint_io import load_trainable, save_trainable
 from creditrl.workers.hybrid import ADDITIVE_METRICS
 
 __all__ = ["ADDITIVE_METRICS", "AsyncRolloutDumper", "Learner"]
@@ -139,19 +138,26 @@ class Learner:
         self.n = cfg.rollout.n
         self.groups_per_step = cfg.data.train_batch_size
         self.use_ref = needs_reference(cfg)
-        self.reuse_behaviour = (
-            cfg.actor.use_rollout_log_probs
-            and cfg.rollout.engine == "hf"
-            and cfg.rollout.top_k <= 0
-            and cfg.rollout.top_p >= 1.0
-        )
-        self.algorithm = cfg.algorithm
+        # the behaviour log-probs of rows sampled by the current version are exactly this
+        # policy's when the engine samples the actor's distribution (no IS needed there)
+        self.reuse_behaviour = cfg.actor.use_rollout_log_probs and rollout_log_probs_are_actors(cfg)
+        algorithm = cfg.algorithm
         if a.old_log_probs == "learner":  # stale rows are corrected by rollout IS weights
             rollout_is = dataclasses.replace(cfg.algorithm.rollout_is, enable=True)
-            self.algorithm = dataclasses.replace(cfg.algorithm, rollout_is=rollout_is)
+            algorithm = dataclasses.replace(cfg.algorithm, rollout_is=rollout_is)
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(model_path)
-        self._build_models(model_path)
+        # the training half of the step pipeline, over the same hybrid worker as `creditrl train`
+        self.workers = LocalWorkerGroup(cfg)
+        self.actor = self.workers.worker.actor
+        # token ids a group may hold: those the embedding accepts (>= len(tokenizer) when the
+        # model pads its vocabulary, and sampling can pick the padded rows)
+        embeddings = self.actor.model.get_input_embeddings().num_embeddings
+        self.vocab_size = max(embeddings, len(self.tokenizer))
+        self.val_rows = self._validation_rows() if self.main else []
+        reward = build_reward_manager(cfg, self.tokenizer) if self.val_rows else None
+        self.pipeline = StepPipeline(cfg, self.workers, reward, self.tokenizer, algorithm)
+        self.algorithm = self.pipeline.algorithm
         optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
                     "rm_scores": cfg.reward.reward_model.enable}  # fmt: skip
         self.limits = GroupLimits(
@@ -161,12 +167,7 @@ class Learner:
             max_response=cfg.rollout.max_response_length,
             optional=frozenset(name for name, sent in optional.items() if sent),
         )
-        self.kl_ctrl = get_kl_controller(
-            cfg.algorithm.kl_ctrl.type,
-            cfg.algorithm.kl_ctrl.kl_coef,
-            cfg.algorithm.kl_ctrl.target_kl,
-            cfg.algorithm.kl_ctrl.horizon,
-        )
+        self.kl_ctrl = self.pipeline.kl_ctrl
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.ledger = DeliveryLedger()
         self.journal = AckJournal(self.out / "async" / "acks.jsonl")
@@ -190,56 +191,25 @@ class Learner:
                 self.out, cfg.trainer.rollout_dump_rows, self.tokenizer
             )
 
-    def _build_models(self, model_path: Path) -> None:
-        cfg = self.cfg
-        policy = load_causal_lm(model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
-        # token ids a group may hold: those the embedding accepts (>= len(tokenizer) when the
-        # model pads its vocabulary, and sampling can pick the padded rows)
-        self.vocab_size = max(policy.get_input_embeddings().num_embeddings, len(self.tokenizer))
-        self.ref = None
-        if cfg.model.lora_rank > 0:
-            policy = apply_lora(
-                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
-            )
-        elif self.use_ref and cfg.asynchronous.ref_on == "learner":
-            ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
-            self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
-        actor_cfg, self.actor_n = cfg.actor, self.n
-        if self.world > 1:  # ppo_mini_batch_size counted in trajectories per rank
-            trajectories = cfg.actor.ppo_mini_batch_size * self.n
-            if trajectories % self.world:
-                raise ValueError(
-                    f"actor.ppo_mini_batch_size x rollout.n = {trajectories} must divide over "
-                    f"asynchronous.learners={self.world}"
-                )
-            actor_cfg = dataclasses.replace(
-                cfg.actor, ppo_mini_batch_size=trajectories // self.world
-            )
-            self.actor_n = 1
-        per_step = -(-cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
-        total = cfg.trainer.total_steps * per_step * max(cfg.actor.ppo_epochs, 1)
-        self.actor = ActorWorker(
-            policy, actor_cfg, total_optimizer_steps=total, seed=cfg.trainer.seed + self.rank
-        )
+    def _validation_rows(self) -> list[Any]:
+        """The held-out rows validated every ``trainer.test_freq`` steps (rank 0), as
+        ``creditrl train`` builds them; none when validation is off."""
+        if self.cfg.trainer.test_freq <= 0:
+            return []
+        _, val = build_run_datasets(self.cfg, self.tokenizer)
+        return [] if val is None else [val[i] for i in range(len(val))]
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _trainable(self) -> tuple[Any, Any, Any]:
-        return self.actor.model, self.actor.optimizer, self.actor.scheduler
-
     def save_checkpoint(self) -> Path:
-        """Write the model, optimizer, ledger, version and counters (rank 0)."""
+        """Write the models (as ``creditrl train`` does), ledger, version and counters."""
         state = {
             "version": self.version,
             "ledger": self.ledger.state_dict(),
             "counters": dict(self.counters),
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
-
-        def write(directory: str) -> dict[str, Any]:
-            return {"actor": save_trainable(Path(directory), "actor", *self._trainable())}
-
-        path = self.checkpoints.save(self.step, write, state, {"actor": self.actor.generator})
+        path = self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
         self.journal.checkpointed()
         return path
 
@@ -254,10 +224,7 @@ class Learner:
                 self.tracker.truncate_after(-1)
             return False
 
-        def read(directory: str, meta: dict[str, Any]) -> None:
-            load_trainable(Path(directory), "actor", meta["actor"], *self._trainable())
-
-        self.step, state = self.checkpoints.load(latest, read, {"actor": self.actor.generator})
+        self.step, state = self.checkpoints.load(latest, self.workers.load_checkpoint)
         self.version = int(state["version"])
         self.ledger.load_state_dict(state["ledger"])
         self.counters.update(state["counters"])
@@ -427,60 +394,20 @@ class Learner:
 
     # ---- one update (every rank) ---------------------------------------------------------
 
-    def old_log_probs(self, batch: Batch) -> None:
-        """``old_log_probs``: the behaviour log-probs (``old_log_probs=sampler``, or rows sampled
-        by the current version when those are exactly this policy's), else recomputed here."""
-        behaviour = batch["rollout_log_probs"]
+    def keep_rollout(self, batch: Batch) -> torch.Tensor:
+        """Rows whose ``old_log_probs`` are the behaviour log-probs: every row with
+        ``old_log_probs=sampler``; else the rows sampled by the current version when those are
+        exactly this policy's; the rest are recomputed here (and corrected by rollout IS)."""
         if self.cfg.asynchronous.old_log_probs == "sampler":
-            batch["old_log_probs"] = behaviour.clone()
-            return
-        recompute = torch.ones(len(batch), dtype=torch.bool)
+            return torch.ones(len(batch), dtype=torch.bool)
         if self.reuse_behaviour:
-            recompute = batch["staleness"] != 0
-        old = behaviour.clone()
-        rows = recompute.nonzero().flatten()
-        if len(rows):
-            log_probs, _ = self.actor.compute_log_prob(
-                batch[rows], self.cfg.rollout.temperature, False
-            )
-            old[rows] = log_probs.to(old.dtype)
-        batch["old_log_probs"] = old
+            return batch["staleness"] == 0
+        return torch.zeros(len(batch), dtype=torch.bool)
 
-    def ref_log_probs(self, batch: Batch) -> None:
-        """``ref_log_prob`` on the learner: the base model under LoRA, else the frozen copy."""
-        temperature = self.cfg.rollout.temperature
-        if self.cfg.model.lora_rank > 0:
-            with disabled_adapters(self.actor.model):
-                batch["ref_log_prob"], _ = self.actor.compute_log_prob(batch, temperature, False)
-        elif self.ref is not None:
-            batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch, temperature, False)
-        else:
-            raise KeyError(
-                "groups carry no ref_log_prob and the learner holds no reference: set "
-                "asynchronous.ref_on=learner, or run the samplers with ref_on=sampler"
-            )
-
-    def update(self, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
-        """Log-probs, rewards, weights, advantages and the policy update on ``batch``."""
-        metrics: dict[str, float] = {}
-        with Timer("old_log_prob", timing):
-            self.old_log_probs(batch)
-        if self.use_ref and "ref_log_prob" not in batch:
-            with Timer("ref", timing):
-                self.ref_log_probs(batch)
-        with Timer("adv", timing):
-            max_length = self.cfg.rollout.max_response_length
-            metrics.update(stages.kl_into_rewards(batch, self.algorithm, self.kl_ctrl.value))
-            if "actor/reward_kl_penalty" in metrics:
-                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
-            metrics.update(stages.apply_overlong_penalty(batch, self.algorithm, max_length))
-            metrics.update(stages.rollout_mismatch_metrics(batch))
-            metrics.update(stages.rollout_is_weights(batch, self.algorithm))
-            stages.compute_advantages(batch, self.algorithm)
-        with Timer("update_actor", timing):
-            update = self.actor.update_policy(batch, self.cfg.rollout.temperature, self.actor_n)
-        summed = all_reduce_sum({k: v for k, v in update.items() if k in ADDITIVE_METRICS})
-        return {**metrics, **update, **summed}
+    def update(self, batch: Batch, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """The training half of the step pipeline on this rank's groups; returns the batch
+        with every field it wrote, and the metrics."""
+        return self.pipeline.training_half(batch, timing, keep_rollout=self.keep_rollout(batch))
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -512,7 +439,7 @@ class Learner:
             full = concat_groups([g.batch for g in groups], self.tokenizer.pad_token_id)
             full["staleness"] = self.version - full["weight_version"]
         batch = self._scatter(full)
-        metrics = self.update(batch, timing)
+        batch, metrics = self.update(batch, timing)
         self.version += 1
         if not self.main:
             return metrics
@@ -559,7 +486,9 @@ class Learner:
         """Train ``trainer.total_steps`` steps; returns a summary (rank 0)."""
         cfg = self.cfg
         began = time.perf_counter()
-        self.maybe_resume()
+        resumed = self.maybe_resume()
+        if self.main and not resumed and cfg.trainer.val_before_train and self.val_rows:
+            self.tracker.log(self.pipeline.validate(self.val_rows), step=0)
         if self.main:
             self.socket = LearnerSocket(
                 cfg.asynchronous, port=self.port, max_message_bytes=max_message_bytes(cfg)
@@ -587,6 +516,10 @@ class Learner:
                     self._check_replicas()
                 if not self.main:
                     continue
+                test_freq = cfg.trainer.test_freq
+                last = self.step == cfg.trainer.total_steps
+                if self.val_rows and (self.step % test_freq == 0 or last):
+                    metrics.update(self.pipeline.validate(self.val_rows))
                 self.tracker.log(metrics, step=self.step)
                 staleness.append(metrics["async/staleness/mean"])
                 self.console.print(
@@ -602,6 +535,8 @@ class Learner:
                 self.publisher.wait()
                 self._stop_samplers()
                 self.tracker.close()
+                if self.pipeline.reward is not None:
+                    self.pipeline.reward.close()
         summary = {
             "steps": self.step,
             "version": self.version,

@@ -73,6 +73,11 @@ def check_async_config(cfg: Config) -> None:
             "baseline, which the async learner does not run; use a group estimator (grpo, rloo, "
             "...) or `creditrl train`"
         )
+    if a.learners > 1 and cfg.trainer.strategy == "fsdp2":
+        raise ValueError(
+            "trainer.strategy=fsdp2 with asynchronous.learners > 1 is not supported yet (rank 0 "
+            "writes checkpoints and weights alone); use trainer.strategy=ddp"
+        )
     if cfg.algorithm.filter_groups.enable:
         raise ValueError("algorithm.filter_groups (DAPO dynamic sampling) is not supported async")
     if a.learners < 1 or cfg.data.train_batch_size % a.learners:

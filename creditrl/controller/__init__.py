@@ -24,10 +24,9 @@ def build_worker_group(cfg: Config) -> WorkerGroup:
         )
     if cfg.trainer.backend == "ray":
         from creditrl.controller.ray_group import RayWorkerGroup, RoutedWorkerGroup
+        from creditrl.pipeline.plan import Plan
 
-        separate = (
-            cfg.trainer.critic_placement == "separate" and cfg.algorithm.adv_estimator == "gae"
-        )
+        separate = cfg.trainer.critic_placement == "separate" and Plan.from_config(cfg).needs_critic
         if not separate:
             return RayWorkerGroup(cfg)
         actor = RayWorkerGroup(cfg, "actor_rollout_ref", ("actor",))

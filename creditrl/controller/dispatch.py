@@ -6,8 +6,7 @@
   the answers are concatenated in rank order, so samples come back in the order they were
   sent. A Batch that does not divide evenly is padded with copies of its first rows, whose
   answers are dropped (``strict`` calls, the updates, refuse to pad instead: copies would
-  change the gradient);
-- ``RANK0``: only rank 0 runs the call.
+  change the gradient).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ class Dispatch(enum.Enum):
 
     ALL = "all"
     DP = "dp"
-    RANK0 = "rank0"
 
 
 def split(batch: Batch, world: int, *, strict: bool = False, what: str = "") -> tuple[list, int]:

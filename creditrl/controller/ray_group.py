@@ -61,12 +61,6 @@ def decode(data: bytes) -> Any:
     return Batch.from_bytes(data[1:]) if data[:1] == b"B" else json.loads(data[1:])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RankActor:
     """One rank (wrapped with ``ray.remote`` by the group). Builds its ``HybridWorker`` after
     joining the process group."""
@@ -226,7 +220,7 @@ class RayWorkerGroup(WorkerGroup):
             payloads = [p.to_bytes() for p in parts]
         else:
             payloads = [None if batch is None else batch.to_bytes()] * self.world_size
-        ranks = [0] if mode is Dispatch.RANK0 else range(self.world_size)
+        ranks = range(self.world_size)
         refs = {r: self.actors[r].call.remote(method, payloads[r], kwargs_json) for r in ranks}
         answers = self._wait(refs, method, self.cfg.trainer.call_timeout_s)
         return collect([decode(a) for a in answers], mode, pad, self.pad_token_id)

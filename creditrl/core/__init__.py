@@ -1,6 +1,6 @@
 """Pure token-level functions on (batch, T) tensors: no models, no I/O.
 
-Index convention (ARCHITECTURE.md): column j of a response tensor is step t = j + 1;
+Index convention (docs/architecture.md): column j of a response tensor is step t = j + 1;
 ``log_probs[:, j]`` = log pi(y_{j+1} | s_{j+1}) from ``logits[:, -T-1:-1]``; ``values[:, j]`` =
 V(s_{j+1}). Each quantity has one defining function here, its math in the docstring.
 """

@@ -1,7 +1,7 @@
 """Advantage estimators: every one returns ``(advantages, returns)``, each (B, T), zero where
 ``response_mask`` is 0. Select one by name with ``get_advantage_estimator``.
 
-Index convention (ARCHITECTURE.md): column j is step t = j + 1; ``values[:, j]`` = V(s_t);
+Index convention (docs/architecture.md): column j is step t = j + 1; ``values[:, j]`` = V(s_t);
 ``token_level_rewards[:, j]`` = r_t. Positions with mask 0 inside a response (tool output)
 are not time steps: credit passes through them to the previous model token.
 

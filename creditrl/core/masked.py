@@ -2,7 +2,7 @@
 
 Every function here reduces over the positions where ``mask`` is 1 (mask may be bool or
 float; it is cast to the values' dtype). Index convention: column j of a response tensor is
-time step t = j + 1 (see ARCHITECTURE.md); masks say which steps exist.
+time step t = j + 1 (see docs/architecture.md); masks say which steps exist.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (spec 001) spread over turns, and the KL penalty that turns scores into rewards.
 
 Index convention: column j of a (B, T) response tensor is step t = j + 1; the reward of
-column j is for the transition made by token y_{j+1} (ARCHITECTURE.md).
+column j is for the transition made by token y_{j+1} (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ differ slightly from those the trainer recomputes, ``old_log_prob``. Semantics f
   whole sequences through the mask;
 - metric keys are verl's, prefixed ``mismatch/``.
 
-Index convention (ARCHITECTURE.md): column j of a (B, T) tensor is step t = j + 1; with
+Index convention (docs/architecture.md): column j of a (B, T) tensor is step t = j + 1; with
 m_{i,t} = response_mask[i, j] and the per-token log ratio
 
     delta_{i,t} = old_log_prob[i, j] - rollout_log_prob[i, j]

@@ -32,7 +32,7 @@ def compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Move each row's valid entries to the front, in order; the rest of the row is 0.
 
     Positions with mask 0 inside a response thereby stop being time steps: the step after a
-    model token is the next model token (ARCHITECTURE.md, masks). ``uncompact`` inverts it.
+    model token is the next model token (docs/architecture.md, masks). ``uncompact`` inverts it.
     """
     m = mask.bool()
     slot = torch.where(m, m.cumsum(dim=1) - 1, m.shape[1])

@@ -1,6 +1,6 @@
 """The columns of a per-token explain view: header, kind and definition of each, in print order.
 
-Index convention (ARCHITECTURE.md, spec 000): a response has tokens y_1..y_T; tensor column j
+Index convention (docs/architecture.md, spec 000): a response has tokens y_1..y_T; tensor column j
 (0-based) is step t = j + 1; state s_t = (prompt, y_1..y_{t-1}); action a_t = y_t. Every
 per-token quantity at step t is stored at column j = t - 1.
 """

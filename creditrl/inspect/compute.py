@@ -1,7 +1,7 @@
 """Per-token quantities for explain views, each computed by its one defining function in
 ``creditrl.core`` (nothing here re-derives the math).
 
-All tensors are (B, T) with column j = step t = j + 1 (ARCHITECTURE.md). ``derive`` fills the
+All tensors are (B, T) with column j = step t = j + 1 (docs/architecture.md). ``derive`` fills the
 columns that follow from the ones given: kl (``core.kl_penalty``), δ (GAE with λ = 0), the raw
 GAE advantage and its return, ratio and clip flag (the configured core policy loss).
 """
@@ -15,6 +15,7 @@ import torch
 
 from creditrl.config import Config
 from creditrl.core import (
+    ADV_ESTIMATORS,
     PolicyLossConfig,
     apply_kl_penalty,
     compute_advantage,
@@ -45,6 +46,16 @@ class Settings:
     policy_loss: str = "ppo"
     clip: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     temperature: float = 1.0
+
+    @property
+    def needs_values(self) -> bool:
+        """The estimator declared ``requires=("values",)`` (a critic's V(s_t))."""
+        return "values" in ADV_ESTIMATORS.info(self.adv_estimator).get("requires", ())
+
+    @property
+    def grouped(self) -> bool:
+        """The estimator compares the answers to one prompt."""
+        return bool(ADV_ESTIMATORS.info(self.adv_estimator).get("grouped", False))
 
     @classmethod
     def from_config(cls, cfg: Config, beta: float | None = None) -> Settings:
@@ -145,7 +156,7 @@ def derive(t: Tensors, s: Settings) -> list[str]:
         t["delta"], _ = compute_gae_advantage_return(
             t["reward"], t["value"], mask, s.gamma, 0.0, whiten=False
         )
-        if s.adv_estimator == "gae":
+        if s.needs_values:
             raw, returns = compute_gae_advantage_return(
                 t["reward"], t["value"], mask, s.gamma, s.lam, whiten=False
             )

@@ -117,14 +117,14 @@ def views_from_text(
             notes.append("no --actor: π_old is model.path itself, so π_ref = π_old and kl = 0")
     if critic is not None:
         t["value"] = compute_values(load_critic(cfg, critic), batch, cfg).double()
-    elif settings.adv_estimator == "gae":
+    elif settings.needs_values:
         base = resolve_model_path(cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir)
         t["value"] = compute_values(CriticModel.from_actor(base), batch, cfg).double()
         notes.append("no --critic: a fresh critic (zero value head), so V(s_t) = 0")
     t["score"], score_notes = _scores(batch, cfg, tokenizer, score, ground_truth, data_source)
     t["reward"], _ = rewards_from_scores(t, settings)
     t["advantage"], t["return"] = run_estimator(t, settings, ["prompt"] * len(responses))
-    if len(responses) == 1 and settings.adv_estimator != "gae":
+    if len(responses) == 1 and settings.grouped:
         notes.append(
             f"{settings.adv_estimator} compares responses to one prompt: a single response "
             "gets advantage 0 (give several --response)"

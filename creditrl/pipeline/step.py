@@ -26,9 +26,26 @@ from creditrl.core import get_kl_controller
 from creditrl.data import collate_prompts
 from creditrl.pipeline import stages
 from creditrl.pipeline.plan import Plan
+from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
 
-__all__ = ["StepPipeline", "build_reward_manager", "rollout_log_probs_reusable"]
+__all__ = [
+    "StepPipeline",
+    "build_reward_manager",
+    "build_run_datasets",
+    "rollout_log_probs_are_actors",
+    "rollout_log_probs_reusable",
+]
+
+
+def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
+    """(train, validation) datasets of ``cfg``: an agent task's, or the data section's."""
+    from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
+    from creditrl.data import build_datasets
+
+    if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
+        return build_agent_datasets(cfg, tokenizer)
+    return build_datasets(cfg.data, tokenizer)
 
 
 def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
@@ -51,17 +68,7 @@ def rollout_log_probs_reusable(cfg: Config) -> bool:
     return (
         cfg.actor.use_rollout_log_probs
         and not cfg.algorithm.rollout_is.enable
-        and _rollout_log_probs_are_actors(cfg)
-    )
-
-
-def _rollout_log_probs_are_actors(cfg: Config) -> bool:
-    """Provisional: the HF engine without top-k/top-p samples the actor's distribution."""
-    return (
-        cfg.rollout.engine == "hf"
-        and cfg.rollout.top_k <= 0
-        and cfg.rollout.top_p >= 1.0
-        and not (cfg.agent.enable and not cfg.agent.state_masking)
+        and rollout_log_probs_are_actors(cfg)
     )
 
 

@@ -1,14 +1,36 @@
-"""Rollout engines: sample responses (token ids, masks, log-probs) for a prompt Batch."""
+"""Rollout engines behind one interface (``RolloutEngine``) and a registry (``rollout.engine``):
+sample responses (token ids, masks, log-probs) for a prompt Batch. Importing this package
+registers the built-in engines, ``hf`` and ``vllm``."""
 
-from creditrl.rollout.factory import build_rollout_engine
+from creditrl.rollout.engine import (
+    ROLLOUT_ENGINES,
+    EngineArgs,
+    EngineTraits,
+    RolloutEngine,
+    build_rollout_engine,
+    check_rollout_engine,
+    engine_traits,
+    register_rollout_engine,
+    rollout_log_probs_are_actors,
+)
 from creditrl.rollout.hf_engine import HFRolloutEngine, SamplingParams, eos_token_ids_of
 from creditrl.rollout.sampling import filter_logits, sample_next_tokens
+from creditrl.rollout.vllm_engine import VLLMRolloutEngine
 
 __all__ = [
+    "ROLLOUT_ENGINES",
+    "EngineArgs",
+    "EngineTraits",
     "HFRolloutEngine",
+    "RolloutEngine",
     "SamplingParams",
+    "VLLMRolloutEngine",
     "build_rollout_engine",
+    "check_rollout_engine",
+    "engine_traits",
     "eos_token_ids_of",
     "filter_logits",
+    "register_rollout_engine",
+    "rollout_log_probs_are_actors",
     "sample_next_tokens",
 ]

@@ -8,14 +8,16 @@ completes a stop string (stop strings are found on the decoded text, only to cho
 cut; the kept ids are a prefix of the sampled ones, so they remain the policy's own samples).
 
 ``EngineTurnGenerator`` adapts any engine with the rollout interface
-``generate(prompts: Batch, greedy=..., temperature=...) -> Batch`` (``responses``,
-``response_mask``, ``rollout_log_probs``). For ``HFRolloutEngine`` it runs a sibling engine
-that shares the model, tokenizer, EOS ids and random generator, with ``max_response_length`` =
-the per-turn cap, so no turn samples past it.
+(``creditrl.rollout.RolloutEngine``: ``generate(prompts: Batch, greedy=..., temperature=...) ->
+Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). For an
+``HFRolloutEngine`` (or a subclass) it runs a shallow copy that shares the model, tokenizer,
+EOS ids and random generator, with ``max_response_length`` = the per-turn cap, so no turn
+samples past it; other engines sample up to their own cap and the turn is cut.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,12 +128,11 @@ class EngineTurnGenerator:
             eos = [int(t) for t in engine.eos_token_ids.tolist()]
             self.eos_token_ids = eos
             cap = engine.cfg.max_response_length
-            if 0 < max_tokens_per_turn < cap:
-                cfg = dataclasses.replace(engine.cfg, max_response_length=max_tokens_per_turn)
-                self.turn_engine = HFRolloutEngine(
-                    engine.model, engine.tokenizer, cfg, eos_token_ids=eos
+            if 0 < max_tokens_per_turn < cap:  # same class, model, EOS ids and generator
+                self.turn_engine = copy.copy(engine)
+                self.turn_engine.cfg = dataclasses.replace(
+                    engine.cfg, max_response_length=max_tokens_per_turn
                 )
-                self.turn_engine.generator = engine.generator
         else:
             eos = getattr(engine, "eos_token_ids", None)
             if eos is None:

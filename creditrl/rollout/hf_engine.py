@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
+from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
 
 __all__ = [
@@ -224,8 +225,12 @@ def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.
     return input_ids.masked_fill(attention_mask == 0, -1)
 
 
-class HFRolloutEngine:
-    """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine).
+@register_rollout_engine("hf")
+class HFRolloutEngine(RolloutEngine):
+    """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine),
+    registered as ``rollout.engine=hf``. It samples with the module it is given
+    (``samples_with_actor_module``), and its log-probs are that module's own at the sampling
+    temperature (``exact_log_probs``); it never sleeps.
 
     ``seed`` seeds the engine's ``torch.Generator``: the same seed, model, prompts and settings
     give the same samples. A prompt batch with a ``sample_seed`` (B,) int64 field samples each
@@ -241,6 +246,9 @@ class HFRolloutEngine:
     ``prefill_rows`` (distinct prompts prefilled), ``decode_rows`` (rows summed over decode
     forwards), ``decode_steps`` and ``response_tokens`` (valid tokens generated).
     """
+
+    samples_with_actor_module = True
+    exact_log_probs = True
 
     def __init__(
         self,
@@ -272,6 +280,20 @@ class HFRolloutEngine:
         self.generator.manual_seed(seed)
         self._keeps_last_logits = _accepts_logits_to_keep(model)
         self.last_stats: dict[str, float] = {}
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> HFRolloutEngine:
+        """The engine over ``args.model`` (required: it samples with the actor's module)."""
+        if args.model is None:
+            raise ValueError("rollout.engine=hf samples with the actor's model: pass it")
+        return cls(args.model, args.tokenizer, args.cfg, seed=args.seed)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load full tensors into the module it samples with (all of its state: strict);
+        returns how many. Needed only when that module is a copy of a sharded actor."""
+        state = dict(named_tensors)
+        self.model.load_state_dict(state)
+        return len(state)
 
     def sampling_params(
         self, *, greedy: bool = False, temperature: float | None = None

@@ -1,4 +1,4 @@
-"""The GPU rollout engine: vLLM behind ``HFRolloutEngine``'s interface (``rollout.engine=vllm``).
+"""The GPU rollout engine: vLLM behind the ``RolloutEngine`` interface (``rollout.engine=vllm``).
 
 Token ids in, token ids out: each prompt row's real ids (left padding stripped with its
 ``attention_mask``) go to vLLM as ``{"prompt_token_ids": ids}`` (vLLM's ``TokensPrompt``), and
@@ -55,6 +55,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
+from creditrl.errors import ConfigError
+from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of, sampling_params_of
 
 __all__ = [
@@ -324,8 +326,11 @@ def _weight_chunks(
         yield chunk
 
 
-class VLLMRolloutEngine:
-    """Samples responses for a prompt Batch with vLLM; ``HFRolloutEngine``'s interface.
+@register_rollout_engine("vllm")
+class VLLMRolloutEngine(RolloutEngine):
+    """Samples responses for a prompt Batch with vLLM, registered as ``rollout.engine=vllm``.
+    It holds its own weights (pushed with ``update_weights``), and its log-probs come from
+    other kernels and dtype than the trainer's (not ``exact_log_probs``).
 
     ``model_path``: a local Hugging Face directory (``creditrl.models.resolve_model_path``).
     ``gpu_memory_utilization``: the share of the GPU vLLM may take for weights and KV cache
@@ -340,6 +345,9 @@ class VLLMRolloutEngine:
     generate, prefill included: vLLM interleaves the two), ``prompt_tokens``, ``requests`` and
     ``response_tokens`` (valid tokens generated).
     """
+
+    samples_with_actor_module = False
+    exact_log_probs = False
 
     def __init__(
         self,
@@ -419,6 +427,34 @@ class VLLMRolloutEngine:
             raise ValueError("pass sampling_params_cls together with llm")
         self.llm = llm
         self.sampling_params_cls = sampling_params_cls
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """``vllm_unavailable_reason`` with what to use instead."""
+        reason = vllm_unavailable_reason()
+        return None if reason is None else f"{reason}. On CPU use rollout.engine=hf."
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> VLLMRolloutEngine:
+        """The engine for ``args`` with the ``rollout.*`` vLLM settings (``gpu_memory_utilization``,
+        ``enable_sleep_mode``, ``vllm_dtype``, ``tensor_parallel_size``); on each rank of a
+        torch.distributed job (``world_size > 1``) with the ``external_launcher`` executor.
+        ``args.model`` is not used: vLLM loads its own copy from ``args.model_path``."""
+        if args.lora:
+            raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        cfg = args.cfg
+        launcher = {"distributed_executor_backend": "external_launcher"}
+        return cls(
+            args.model_path,
+            args.tokenizer,
+            cfg,
+            seed=args.seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=cfg.enable_sleep_mode,
+            dtype=cfg.vllm_dtype,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            llm_kwargs=launcher if args.world_size > 1 else None,
+        )
 
     def sampling_params(
         self, *, greedy: bool = False, temperature: float | None = None

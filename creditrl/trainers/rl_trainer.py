@@ -19,11 +19,16 @@ from creditrl.batch import Batch, balance_batch
 from creditrl.config import Config
 from creditrl.config.loader import save_resolved_config, to_dict
 from creditrl.controller import build_worker_group
-from creditrl.data import ResumableSampler, build_datasets, collate_prompts
+from creditrl.data import ResumableSampler, collate_prompts
 from creditrl.errors import NothingToLearnError
 from creditrl.models import load_tokenizer, resolve_model_path
 from creditrl.pipeline import stages
-from creditrl.pipeline.step import StepPipeline, build_reward_manager, rollout_log_probs_reusable
+from creditrl.pipeline.step import (
+    StepPipeline,
+    build_reward_manager,
+    build_run_datasets,
+    rollout_log_probs_reusable,
+)
 from creditrl.preflight import preflight
 from creditrl.tracking import (
     RolloutDumper,
@@ -98,12 +103,7 @@ class RLTrainer:
         cfg = self.cfg
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
-
-        if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
-            self.train_data, self.val_data = build_agent_datasets(cfg, self.tokenizer)
-        else:
-            self.train_data, self.val_data = build_datasets(cfg.data, self.tokenizer)
+        self.train_data, self.val_data = build_run_datasets(cfg, self.tokenizer)
         self.sampler = ResumableSampler(
             len(self.train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle
         )

@@ -1,23 +1,27 @@
 """One rank's colocated models (verl's "hybrid engine"): the actor, the rollout engine that
-samples with the actor's weights, the reference and, when configured, the critic.
+samples with the actor's weights, the reference and, when the estimator requires values, the
+critic. Or, with ``roles=("rollout",)``, a frozen policy and its engine only (the async
+sampler's role), plus the reference with ``with_ref=True`` or a ``"ref"`` role.
 
 The same class serves the in-process backend (one rank, no process group) and every rank of
 the Ray backend (a process group among the ranks; each gets its data-parallel shard of the
 Batch). Methods take a Batch and return a Batch of the new fields only, or a metrics dict.
 
-Weights the rollout uses: under ``ddp`` (and in one process) the HF engine samples with the
-actor's own modules, so an update is visible at once; under ``fsdp2`` the actor's parameters
-are sharded, so the engine holds a full copy that ``sync_rollout_weights`` refreshes from the
-shards after each update (all ranks must generate the same number of forward passes
-otherwise, which sampling cannot promise). A vLLM engine (``rollout.engine=vllm``) holds its
-own weights on the GPU; they are pushed in place after every update, and the engine sleeps
-outside rollouts.
+Weights the rollout uses, from what the engine declares (``creditrl.rollout.RolloutEngine``):
+an engine that ``samples_with_actor_module`` (``hf``) samples with the actor's own modules
+under ``ddp`` and in one process, so an update is visible at once; under ``fsdp2`` the actor's
+parameters are sharded, so the engine holds a full copy that ``sync_rollout_weights``
+refreshes from the shards after each update (all ranks must generate the same number of
+forward passes otherwise, which sampling cannot promise). An engine with its own weights
+(``vllm``) is pushed them at start and after every update, and is woken for each rollout and
+put to sleep after it (no-ops for engines that never sleep).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +35,19 @@ from creditrl.models import (
     apply_lora,
     disabled_adapters,
     load_causal_lm,
+    load_reference,
     load_tokenizer,
     resolve_model_path,
 )
-from creditrl.rollout import build_rollout_engine
+from creditrl.pipeline.plan import Plan
+from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
 
-__all__ = ["ADDITIVE_METRICS", "HybridWorker"]
+__all__ = ["ADDITIVE_METRICS", "ROLES", "HybridWorker"]
 
 # Update metrics that are sums over the samples of a mini-batch (losses divided by global
 # counts, share-weighted fractions): summed over ranks. The rest (grad norm, lr) are equal
@@ -77,21 +83,55 @@ def _per_rank(cfg: Any, n: int, world: int, what: str) -> Any:
     return dataclasses.replace(cfg, ppo_mini_batch_size=trajectories // world)
 
 
-class HybridWorker:
-    """Actor + rollout + reference (+ critic) of one data-parallel rank."""
+ROLES = ("actor", "critic", "rollout", "ref")
 
-    def __init__(self, cfg: Config, *, roles: tuple[str, ...] = ("actor", "critic")) -> None:
+
+class HybridWorker:
+    """Actor + rollout + reference (+ critic) of one data-parallel rank, or a rollout-only
+    worker; see the module docstring.
+
+    ``roles``: ``"actor"`` (the trainable policy with its rollout engine and, when a KL term
+    needs it, the reference), ``"critic"`` (built when the estimator requires values),
+    ``"rollout"`` (a frozen policy: no optimizer, eval mode, ``requires_grad`` off; LoRA
+    adapters when ``model.lora_rank > 0`` and ``asynchronous.lora_sync=adapter``; its engine
+    and the agent loop when ``agent.enable``) and ``"ref"`` (the frozen reference, also asked
+    for by ``with_ref=True``). ``"rollout"`` excludes ``"actor"``, which has its own engine.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        roles: tuple[str, ...] = ("actor", "critic"),
+        with_ref: bool = False,
+    ) -> None:
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown HybridWorker roles {unknown}; choose from {list(ROLES)}")
+        if "actor" in roles and "rollout" in roles:
+            raise ValueError("roles 'actor' and 'rollout' exclude each other: the actor samples")
         self.cfg = cfg
         self.rank, self.world = rank(), world_size()
+        self.plan = Plan.from_config(cfg)
+        if "actor" in roles or "rollout" in roles:
+            check_rollout_engine(cfg.rollout.engine)  # before any model is built
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.use_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+        self.use_ref = self.plan.needs_ref
         self.n = cfg.rollout.n
         self.actor = self.ref = self.engine = self.rollout = self.critic = None
+        self.policy: torch.nn.Module | None = None  # the rollout role's frozen policy
+        self.engine_shares_policy = False  # the engine samples with the policy module itself
         if "actor" in roles:
             self._build_actor()
-        if "critic" in roles and cfg.algorithm.adv_estimator == "gae":
+        if "rollout" in roles:
+            self._build_rollout()
+        if ("ref" in roles or with_ref) and self.ref is None:
+            self.ref = ActorWorker(
+                load_reference(self.model_path, cfg.model.dtype), cfg.actor, trainable=False
+            )
+        if "critic" in roles and self.plan.needs_critic:
             self._build_critic()
 
     # ---- construction -------------------------------------------------------------------
@@ -115,19 +155,19 @@ class HybridWorker:
         cfg = self.cfg
         policy = load_causal_lm(self.model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
         ref_model = None
-        if cfg.model.lora_rank > 0:
+        lora = cfg.model.lora_rank > 0
+        if lora:
             policy = apply_lora(
                 policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
             )
         elif self.use_ref:
             ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
         sharded = self.world > 1 and cfg.trainer.strategy == "fsdp2"
-        self.uses_vllm = cfg.rollout.engine == "vllm"
-        if self.uses_vllm and cfg.model.lora_rank > 0:
-            raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        samples_with_module = engine_traits(cfg.rollout.engine).samples_with_actor_module
         rollout_model = policy
-        if sharded and not self.uses_vllm:
+        if sharded and samples_with_module:
             rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.engine_shares_policy = samples_with_module and not sharded
         self._shard(policy)
         actor_cfg, self.actor_n = self._actor_cfg(cfg.actor, "actor")
         self.actor = ActorWorker(
@@ -140,18 +180,39 @@ class HybridWorker:
         )
         if ref_model is not None:
             self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
-        llm_kwargs = {"distributed_executor_backend": "external_launcher"} if self.world > 1 else {}
-        self.engine = build_rollout_engine(
-            rollout_model,
-            self.model_path,
-            self.tokenizer,
-            cfg.rollout,
-            seed=cfg.trainer.seed + self.rank,
-            llm_kwargs=llm_kwargs if self.uses_vllm else None,
-        )
-        self.rollout = self.engine  # what generate() calls: the engine, or the agent loop over it
-        if self.uses_vllm:
+        self._build_engine(rollout_model, lora)
+        if not samples_with_module:
             self.sync_rollout_weights()
+
+    def _build_rollout(self) -> None:
+        cfg = self.cfg
+        policy = load_causal_lm(self.model_path, cfg.model.dtype).requires_grad_(False).eval()
+        lora = cfg.model.lora_rank > 0 and cfg.asynchronous.lora_sync == "adapter"
+        if lora:
+            policy = apply_lora(
+                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
+            )
+            policy = policy.requires_grad_(False).eval()
+        self.policy = policy
+        self.engine_shares_policy = engine_traits(cfg.rollout.engine).samples_with_actor_module
+        self._build_engine(policy, lora)
+        if not self.engine_shares_policy:
+            self.sync_rollout_weights()
+
+    def _build_engine(self, model: torch.nn.Module, lora: bool) -> None:
+        """The engine ``rollout.engine`` names, and ``rollout``: what ``generate`` calls (the
+        engine, or the agent loop over it)."""
+        cfg = self.cfg
+        args = EngineArgs(
+            cfg.rollout,
+            self.tokenizer,
+            self.model_path,
+            model,
+            seed=cfg.trainer.seed + self.rank,
+            world_size=self.world,
+            lora=lora,
+        )
+        self.engine = self.rollout = build_rollout_engine(args)
         if cfg.agent.enable:
             from creditrl.agents.rollout import AgentRollout
 
@@ -176,15 +237,19 @@ class HybridWorker:
     # ---- the trainer's calls ------------------------------------------------------------
 
     def generate(
-        self, prompts: Batch, greedy: bool = False, temperature: float | None = None
+        self,
+        prompts: Batch,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
     ) -> Batch:
-        """Sample one response per prompt row (see ``HFRolloutEngine.generate``); a vLLM engine
-        wakes up for it and sleeps after, giving the GPU memory back to training."""
-        if not self.uses_vllm:
-            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
+        """Sample one response per prompt row (``creditrl.rollout.RolloutEngine.generate``;
+        ``seed`` re-seeds the engine's generator first). The engine is woken for it and put
+        to sleep after, giving its accelerator memory back to training (no-ops for engines
+        that never sleep)."""
         self.engine.wake_up()
         try:
-            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature)
+            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature, seed=seed)
         finally:
             self.engine.sleep()
 
@@ -194,12 +259,18 @@ class HybridWorker:
         return Batch.from_dict({"old_log_probs": log_probs, "entropys": entropy})
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Batch:
-        """``ref_log_prob``: the base model under LoRA (adapters off), else the frozen copy."""
-        if self.cfg.model.lora_rank > 0:
+        """``ref_log_prob``: the frozen reference, else (the actor under LoRA) the base model
+        with the adapters off."""
+        if self.ref is not None:
+            log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
+        elif self.actor is not None and self.cfg.model.lora_rank > 0:
             with disabled_adapters(self.actor.model):
                 log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
         else:
-            log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
+            raise RuntimeError(
+                "this worker has no reference model: build it with HybridWorker(cfg, "
+                "roles=('rollout', 'ref')) or with_ref=True"
+            )
         return Batch.from_dict({"ref_log_prob": log_probs})
 
     def compute_values(self, batch: Batch) -> Batch:
@@ -216,17 +287,30 @@ class HybridWorker:
         """Value-loss epochs on this rank's shard."""
         return _reduce(self.critic.update_critic(batch, self.critic_n))
 
+    @property
+    def policy_model(self) -> torch.nn.Module:
+        """The policy module that weights are loaded into: the actor's, or the rollout role's
+        frozen policy (for ``WeightSubscriber.maybe_load``; then ``sync_rollout_weights``)."""
+        model = self.actor.model if self.actor is not None else self.policy
+        if model is None:
+            raise RuntimeError("this worker has no policy: build it with role 'actor' or 'rollout'")
+        return model
+
+    def load_policy_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a full state dict into ``policy_model`` (strict; not a sharded actor) and push
+        it to the engine unless the engine samples with that module."""
+        self.policy_model.load_state_dict(state_dict)
+        self.sync_rollout_weights()
+
     def sync_rollout_weights(self) -> None:
-        """Push the actor's weights to the rollout: nothing when the HF engine samples with the
-        actor's own modules; a full copy gathered from the shards (fsdp2); or, for vLLM, the
-        full state dict loaded in place (its KV cache stays asleep until the next rollout)."""
-        if self.uses_vllm:
-            self.engine.wake_up(tags=["weights"])
-            self.engine.update_weights(full_state_dict(self.actor.model).items())
+        """Push the policy's weights to the engine: nothing when it samples with the policy's
+        own module; else the full state dict (gathered from the shards under fsdp2) through
+        ``update_weights``, with only the engine's weights awake (a sleeping engine's KV cache
+        stays released until the next rollout)."""
+        if self.engine_shares_policy:
             return
-        if self.engine.model is self.actor.model:
-            return
-        self.engine.model.load_state_dict(full_state_dict(self.actor.model))
+        self.engine.wake_up(tags=["weights"])
+        self.engine.update_weights(full_state_dict(self.policy_model).items())
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -243,7 +327,9 @@ class HybridWorker:
         """This rank's random streams (update shuffles, rollout fallback stream)."""
         gens = {}
         if self.actor is not None:
-            gens.update(actor=self.actor.generator, rollout=self.engine.generator)
+            gens["actor"] = self.actor.generator
+        if self.engine is not None:
+            gens["rollout"] = self.engine.generator
         if self.critic is not None:
             gens["critic"] = self.critic.generator
         return gens

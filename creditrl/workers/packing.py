@@ -9,7 +9,7 @@ restart as a new sequence and builds a block-diagonal causal mask for the sdpa,
 eager and flex kernels (flash-attention uses the same position_ids as varlen boundaries), so
 no token attends across rows. A model used here must pass ``position_ids`` through.
 
-Alignment (ARCHITECTURE.md): response token j of row i (0 <= j < r_i) sits at packed position
+Alignment (docs/architecture.md): response token j of row i (0 <= j < r_i) sits at packed position
 o_i + p_i + j, o_i = sum_{k<i} (p_k + r_k); its log-prob and value come from the output at the
 position before it, o_i + p_i + j - 1 (``logit_positions``). Outputs are unpacked to the
 (B, T) response layout with 0 on padding columns.

@@ -21,7 +21,6 @@ __all__ = [
     "broadcast_parameters",
     "decoder_layers",
     "full_state_dict",
-    "load_full_state_dict",
     "shard_model",
 ]
 
@@ -85,11 +84,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict into ``model``, sharding it where the model is sharded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, strict=True)
-    set_model_state_dict(model, state, options=options)

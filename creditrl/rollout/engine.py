@@ -1,0 +1,234 @@
+"""The rollout engine interface and its registry: ``rollout.engine`` names a registered engine.
+
+An engine samples responses for prompts given as token ids and returns the sampled ids with
+their log-probs; the rest of the code reads what it declares (``EngineTraits``), never its name.
+Built in: ``hf`` (``creditrl.rollout.hf_engine``, transformers, CPU or GPU) and ``vllm``
+(``creditrl.rollout.vllm_engine``, the optional GPU extra). A user engine registers itself
+before the config is loaded (validation accepts registered names only)::
+
+    from creditrl.rollout import EngineArgs, RolloutEngine, register_rollout_engine
+
+    @register_rollout_engine("mine")
+    class MyEngine(RolloutEngine):
+        def __init__(self, args: EngineArgs) -> None: ...
+        def generate(self, prompts, *, greedy=False, temperature=None, seed=None): ...
+        def update_weights(self, named_tensors): ...
+
+and runs with ``rollout.engine=mine``. A builder function ``fn(args) -> RolloutEngine`` may be
+registered instead of a class, declaring its traits as keywords of the decorator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
+
+from creditrl.batch import Batch
+from creditrl.config.schema import RolloutConfig
+from creditrl.core.registry import Registry
+from creditrl.errors import ConfigError, UserCodeError
+
+if TYPE_CHECKING:
+    from creditrl.config import Config
+
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "EngineArgs",
+    "EngineTraits",
+    "RolloutEngine",
+    "build_rollout_engine",
+    "check_rollout_engine",
+    "engine_traits",
+    "register_rollout_engine",
+    "rollout_log_probs_are_actors",
+]
+
+ROLLOUT_ENGINES: Registry = Registry("rollout engine")
+
+E = TypeVar("E")
+_REQUIRED = ("generate", "update_weights", "wake_up", "sleep", "generator")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What an engine is built from.
+
+    - ``cfg``: the ``rollout`` section (sampling settings, ``max_response_length``, ...);
+    - ``tokenizer``: the policy's tokenizer (pad and EOS ids);
+    - ``model_path``: the policy's local Hugging Face directory (engines with their own copy
+      of the weights load it from here);
+    - ``model``: the policy's ``nn.Module``. An engine that ``samples_with_actor_module`` gets a
+      full, unsharded module (a copy when the actor is sharded); others may only read it;
+    - ``seed``: seeds the engine's ``generator``;
+    - ``world_size``: data-parallel ranks that each build an engine (a torch.distributed job
+      when > 1);
+    - ``lora``: the policy carries LoRA adapters (pushed weights have PEFT names).
+    """
+
+    cfg: RolloutConfig
+    tokenizer: Any
+    model_path: str | Path
+    model: torch.nn.Module | None = None
+    seed: int = 0
+    world_size: int = 1
+    lora: bool = False
+
+
+class RolloutEngine:
+    """The interface every engine implements (subclassing it is optional but gives the no-op
+    ``wake_up``/``sleep``). Token ids in, token ids out: nothing is decoded or re-encoded.
+
+    Declarations, read by the workers and the trainer instead of the engine's name:
+
+    - ``samples_with_actor_module``: the engine samples with the ``nn.Module`` it was given, so
+      the actor's updates are visible at once and nothing is pushed (unless the actor is
+      sharded: then it gets a full copy, refreshed with ``update_weights``). False: it holds
+      its own weights, pushed with ``update_weights`` at start and after every update;
+    - ``exact_log_probs``: without top-k/top-p, ``rollout_log_probs`` are the actor's own
+      log-probs at the same temperature (same weights, same numerics), so the trainer may use
+      them as ``old_log_probs`` (``rollout_log_probs_are_actors``).
+
+    ``generator`` is the engine's ``torch.Generator`` (saved in checkpoints).
+    """
+
+    samples_with_actor_module: ClassVar[bool] = False
+    exact_log_probs: ClassVar[bool] = False
+    generator: torch.Generator
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> RolloutEngine:
+        """The engine for ``args`` (``build_rollout_engine`` calls this); default ``cls(args)``."""
+        return cls(args)  # type: ignore[call-arg]
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the engine cannot run on this machine (one sentence), or None."""
+        return None
+
+    def generate(
+        self,
+        prompts: Batch,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> Batch:
+        """One response per row of ``prompts``.
+
+        In: left-padded ``input_ids`` / ``attention_mask`` (B, P) (``position_ids`` optional),
+        optionally ``sample_seed`` (B,) int64: each row's own random stream. ``greedy`` (or
+        temperature 0) takes the argmax; ``temperature`` overrides ``rollout.temperature``;
+        ``seed`` re-seeds ``generator`` first.
+
+        Out: a new Batch keeping the input's non-tensors, meta and other tensors, plus
+        ``prompts`` (B, P) the input ids; ``responses`` (B, T) int64 right-padded with the pad
+        id (T: the longest response; a response ends just after its EOS, which is kept);
+        ``response_mask`` (B, T) 1 on response tokens; ``input_ids`` / ``attention_mask`` the
+        prompt and response concatenated (B, P + T); ``position_ids`` = ``clamp(cumsum(
+        attention_mask) - 1, 0)``; ``rollout_log_probs`` (B, T) float32, each sampled token's
+        log-prob under the sampling distribution (temperature, top-k, top-p applied; greedy:
+        the unscaled one), 0 on padding. See ``creditrl.batch.FIELDS``.
+        """
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the trainer's full (unsharded) tensors, by Hugging Face name; returns how many."""
+        raise NotImplementedError
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore memory released by ``sleep``: all, or only ``tags`` (``"weights"``,
+        ``"kv_cache"``). A no-op for engines that never sleep."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory between rollouts. A no-op for engines that never sleep."""
+
+
+def _available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What a registered engine declares (its class attributes, or the keywords of
+    ``register_rollout_engine``); see ``RolloutEngine``."""
+
+    samples_with_actor_module: bool = False
+    exact_log_probs: bool = False
+    unavailable_reason: Callable[[], str | None] = _available
+
+
+_TRAITS = ("samples_with_actor_module", "exact_log_probs", "unavailable_reason")
+
+
+def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable[[E], E]:
+    """Decorator: register an engine class (built by its ``from_args(args)``, else
+    ``cls(args)``; its class attributes declare the traits) or a builder ``fn(args: EngineArgs)
+    -> engine`` under ``name`` and ``aliases``. Keywords (``samples_with_actor_module``,
+    ``exact_log_probs``, ``unavailable_reason``) declare or override the traits."""
+    unknown = sorted(set(traits) - set(_TRAITS))
+    if unknown:
+        raise TypeError(f"register_rollout_engine: unknown traits {unknown}; use {list(_TRAITS)}")
+
+    def wrap(entry: E) -> E:
+        defaults = EngineTraits()
+        declared = {k: getattr(entry, k, getattr(defaults, k)) for k in _TRAITS}
+        declared.update(traits)
+        ROLLOUT_ENGINES.register(name, *aliases, traits=EngineTraits(**declared))(entry)
+        return entry
+
+    return wrap
+
+
+def _entry(name: str) -> Any:
+    try:
+        return ROLLOUT_ENGINES.get(name)
+    except KeyError as e:
+        raise ConfigError(f"rollout.engine: {e.args[0]}") from None
+
+
+def engine_traits(name: str) -> EngineTraits:
+    """The traits registered engine ``name`` declares (ConfigError listing the choices if
+    none is registered under that name)."""
+    _entry(name)
+    return ROLLOUT_ENGINES.info(name)["traits"]
+
+
+def check_rollout_engine(name: str) -> None:
+    """ConfigError (one line) if engine ``name`` is unknown or cannot run on this machine."""
+    reason = engine_traits(name).unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"rollout.engine={name}: {reason}")
+
+
+def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
+    """The engine ``args.cfg.engine`` names, built from ``args`` (checked first with
+    ``check_rollout_engine``); UserCodeError if what it builds lacks part of the interface."""
+    name = args.cfg.engine
+    check_rollout_engine(name)
+    entry = _entry(name)
+    builder = getattr(entry, "from_args", entry) if isinstance(entry, type) else entry
+    engine = builder(args)
+    missing = [attr for attr in _REQUIRED if not hasattr(engine, attr)]
+    if missing:
+        raise UserCodeError(
+            f"rollout.engine={name}: the engine it builds ({type(engine).__name__}) lacks "
+            f"{missing}; subclass creditrl.rollout.RolloutEngine (no-op wake_up/sleep) and "
+            "implement generate, update_weights and a torch.Generator `generator`"
+        )
+    return engine
+
+
+def rollout_log_probs_are_actors(cfg: Config) -> bool:
+    """The engine's ``rollout_log_probs`` are the actor's own log-probs at the sampling
+    temperature: the engine declares ``exact_log_probs``, no top-k/top-p filtering, and every
+    ``response_mask`` token was sampled (not agent observations with state masking off)."""
+    return (
+        engine_traits(cfg.rollout.engine).exact_log_probs
+        and cfg.rollout.top_k <= 0
+        and cfg.rollout.top_p >= 1.0
+        and not (cfg.agent.enable and not cfg.agent.state_masking)
+    )
