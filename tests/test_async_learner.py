@@ -305,7 +305,7 @@ def test_lora_learner_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "override,match",
     [
-        ("preset=ppo critic.ppo_mini_batch_size=2", "needs a critic"),
+        ("algorithm.adv_estimator=remax", "greedy baseline"),
         ("asynchronous.ref_on=both", "ref_on='both' is not one of sampler, learner"),
         ("asynchronous.max_inflight_groups=1", "wait for acknowledgements forever"),
         ("asynchronous.learners=3", "divide evenly"),

@@ -8,7 +8,8 @@ ends when learner rank 0 finishes (it has told the samplers to stop; stragglers 
 after ``grace_s``), and within a poll interval of any child (learner rank or sampler) exiting
 with an error, at start-up or later: the launcher names its role, index and exit code, prints
 the last lines of its output, terminates the others (each by its own pid) and exits non-zero.
-Ctrl-C terminates every child.
+Ctrl-C terminates every child. ``asynchronous.launcher=ray`` starts them as Ray actors
+instead (``creditrl.asynchronous.ray_launch``).
 """
 
 from __future__ import annotations
@@ -243,7 +244,12 @@ def launch(
     console: Any,
     grace_s: float = 60.0,
 ) -> int:
-    """Run the learner(s) and samplers to completion under ``supervise``; returns its code."""
+    """Run the learner(s) and samplers to completion under ``supervise`` (or as Ray actors
+    under ``ray_launch.supervise_actors`` with ``asynchronous.launcher=ray``); returns its code."""
+    if cfg.asynchronous.launcher == "ray":
+        from creditrl.asynchronous.ray_launch import launch_ray
+
+        return launch_ray(cfg, console, grace_s)
     learner_cmds, sampler_cmds = child_commands(cfg, config_file, overrides)
     log_dir = Path(cfg.trainer.output_dir) / "async" / "logs"
     console.print(

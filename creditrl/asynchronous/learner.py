@@ -65,7 +65,7 @@ from creditrl.asynchronous.staleness import (
     staleness_metrics,
 )
 from creditrl.asynchronous.transport import LearnerSocket
-from creditrl.asynchronous.validation import GroupLimits
+from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.asynchronous.weights import WeightPublisher
 from creditrl.batch import Batch
 from creditrl.config import Config
@@ -158,8 +158,11 @@ class Learner:
         reward = build_reward_manager(cfg, self.tokenizer) if self.val_rows else None
         self.pipeline = StepPipeline(cfg, self.workers, reward, self.tokenizer, algorithm)
         self.algorithm = self.pipeline.algorithm
+        structured = cfg.agent.enable and cfg.agent.reward_manager == "structured"
         optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
-                    "rm_scores": cfg.reward.reward_model.enable}  # fmt: skip
+                    "rm_scores": cfg.reward.reward_model.enable,
+                    **dict.fromkeys(AGENT_FIELDS, cfg.agent.enable),
+                    **dict.fromkeys(STRUCTURED_FIELDS, structured)}  # fmt: skip
         self.limits = GroupLimits(
             n=self.n,
             vocab_size=self.vocab_size,

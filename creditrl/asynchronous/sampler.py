@@ -9,7 +9,9 @@ One batch of the loop, top to bottom (``Sampler.run``):
    resend everything unacknowledged);
 2. wait while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging);
 3. load the newest published weights, if newer (between batches, never inside one);
-4. ``produce``: draw prompts, generate, score, reference log-probs (``ref_on=sampler``), split
+4. ``produce``: draw prompts, the generation half of the step pipeline (any registered engine,
+   or the agent loop over it; the greedy baseline when the estimator requires one; the
+   reward manager ``creditrl train`` uses), reference log-probs (``ref_on=sampler``), split
    into groups stamped with episode ids and the weight version that sampled them;
 5. save each group to the outbox, save the data position, send the groups (a group larger
    than the learner accepts, ``settings.max_message_bytes``, is dropped here, logged and
@@ -49,18 +51,11 @@ from creditrl.asynchronous.transport import SamplerSocket
 from creditrl.asynchronous.weights import WeightSubscriber
 from creditrl.batch import Batch
 from creditrl.config import Config
-from creditrl.data import ResumableSampler, build_datasets, collate_prompts
-from creditrl.models import (
-    apply_lora,
-    load_causal_lm,
-    load_reference,
-    load_tokenizer,
-    resolve_model_path,
-)
-from creditrl.rewards import RewardManager
-from creditrl.rollout import HFRolloutEngine
+from creditrl.data import ResumableSampler, collate_prompts
+from creditrl.pipeline import stages
+from creditrl.pipeline.step import StepPipeline, build_reward_manager, build_run_datasets
 from creditrl.tracking import Timer, Tracker
-from creditrl.workers import ActorWorker
+from creditrl.workers.hybrid import HybridWorker
 
 __all__ = ["Sampler", "trim_group"]
 
@@ -106,27 +101,21 @@ class Sampler:
         self.n = cfg.rollout.n
         self.groups_per_batch = a.sampler_batch_groups or cfg.data.train_batch_size
         self.max_inflight = a.max_inflight_groups or 2 * cfg.data.train_batch_size
-        model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        self.tokenizer = load_tokenizer(model_path)
-        self.train_data, _ = build_datasets(cfg.data, self.tokenizer)
+        # the behaviour policy: the rollout role of the hybrid worker `creditrl train` uses (any
+        # registered engine, the agent loop when agent.enable, the reference when it is here)
+        with_ref = needs_reference(cfg) and a.ref_on == "sampler"
+        self.worker = HybridWorker(cfg, roles=("rollout",), with_ref=with_ref)
+        torch.manual_seed(cfg.trainer.seed + 1 + index)
+        self.tokenizer = self.worker.tokenizer
+        self.train_data, _ = build_run_datasets(cfg, self.tokenizer)
         self.data = ResumableSampler(
             len(self.train_data), self.groups_per_batch, cfg.data.seed + index, cfg.data.shuffle
         )
-        policy = load_causal_lm(model_path, cfg.model.dtype).requires_grad_(False).eval()
-        if cfg.model.lora_rank > 0 and a.lora_sync == "adapter":
-            policy = apply_lora(
-                policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
-            ).requires_grad_(False)
-        self.model = policy
-        self.ref = None
-        if needs_reference(cfg) and a.ref_on == "sampler":
-            self.ref = ActorWorker(
-                load_reference(model_path, cfg.model.dtype), cfg.actor, trainable=False
-            )
-        self.engine = HFRolloutEngine(policy, self.tokenizer, cfg.rollout, seed=cfg.trainer.seed)
-        self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.reward = build_reward_manager(cfg, self.tokenizer)
+        self.pipeline = StepPipeline(cfg, self.worker, self.reward, self.tokenizer)
+        self.with_ref = with_ref
         self.weights = WeightSubscriber(weight_root(cfg))
-        self.version = self.weights.maybe_load(self.model, 0)
+        self.version = self._load_weights(0)
         self.outbox = Outbox(state_root(cfg), self.sampler_id)
         if self.outbox.data_state is not None:
             self.data.load_state_dict(self.outbox.data_state)
@@ -155,21 +144,15 @@ class Sampler:
         seed = int(
             np.random.SeedSequence([self.cfg.trainer.seed, self.index, first]).generate_state(1)[0]
         )
-        with Timer("gen", timing):
-            batch = self.engine.generate(prompts, seed=seed)
-        batch.meta.update(
-            temperature=self.cfg.rollout.temperature,
-            max_response_length=self.cfg.rollout.max_response_length,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        with Timer("reward", timing):
-            result = self.reward(batch)
-        result.write_to(batch)
-        if self.ref is not None:
+        stages.add_sample_seeds(prompts, np.random.default_rng(seed))
+        batch, future = self.pipeline.generation_half(prompts, self.batches, timing, seed=seed)
+        metrics = self.pipeline.score(batch, future, timing, "reward")
+        if self.with_ref:
             with Timer("ref", timing):
-                batch["ref_log_prob"], _ = self.ref.compute_log_prob(
-                    batch, self.cfg.rollout.temperature, False
+                batch = batch.union(
+                    self.worker.compute_ref_log_prob(batch, self.cfg.rollout.temperature)
                 )
+        del batch["sample_seed"]  # the learner never samples
         groups = [
             group_of(
                 trim_group(batch[k * self.n : (k + 1) * self.n]),
@@ -181,15 +164,34 @@ class Sampler:
         ]
         timing["batch"] = time.perf_counter() - start
         tokens = float(batch["attention_mask"].sum())
-        metrics = {
-            **{f"timing_s/{k}": v for k, v in timing.items()},
-            "sampler/weight_version": float(self.version),
-            "sampler/response_tokens": float(batch["response_mask"].sum()),
-            "sampler/tokens_per_s": tokens / max(timing["batch"], 1e-9),
-            "sampler/score_mean": float(result.scores.mean()),
-            **result.metrics,
-        }
+        scores = batch["token_level_scores"].sum(-1)
+        metrics.update(
+            {
+                **{f"timing_s/{k}": v for k, v in timing.items()},
+                "sampler/weight_version": float(self.version),
+                "sampler/response_tokens": float(batch["response_mask"].sum()),
+                "sampler/tokens_per_s": tokens / max(timing["batch"], 1e-9),
+                "sampler/score_mean": float(scores.mean()),
+            }
+        )
+        if self.cfg.agent.enable:
+            from creditrl.agents.rollout import agent_metrics
+
+            metrics.update(agent_metrics(batch) if "tool_calls" in batch else {})
         return groups, metrics
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The behaviour policy's module (what published weights are loaded into)."""
+        return self.worker.policy_model
+
+    def _load_weights(self, current: int) -> int:
+        """Load the newest published version into the policy (and push it to an engine that
+        holds its own copy); returns the version the policy now holds."""
+        version = self.weights.maybe_load(self.worker.policy_model, current)
+        if version != current:
+            self.worker.sync_rollout_weights()
+        return version
 
     # ---- talking to the learner ----------------------------------------------------------
 
@@ -280,7 +282,7 @@ class Sampler:
 
     def step(self) -> None:
         """Produce one batch of groups, journal them, and send them."""
-        self.version = self.weights.maybe_load(self.model, self.version)
+        self.version = self._load_weights(self.version)
         groups, metrics = self.produce()
         for group in groups:
             seq = self.outbox.put(group)

@@ -67,11 +67,15 @@ def check_async_config(cfg: Config) -> None:
         raise ValueError(
             f"asynchronous.lora_sync must be 'merged' or 'adapter', got {a.lora_sync!r}"
         )
-    if cfg.algorithm.adv_estimator in ("gae", "remax"):
+    from creditrl.pipeline import Plan
+    from creditrl.rollout import check_rollout_engine
+
+    check_rollout_engine(cfg.rollout.engine)  # e.g. vllm on a machine without it, named here
+    if Plan.from_config(cfg).needs_greedy_baseline:
         raise ValueError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic or a greedy "
-            "baseline, which the async learner does not run; use a group estimator (grpo, rloo, "
-            "...) or `creditrl train`"
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs the greedy baseline "
+            "of the current policy for each prompt, which a stale sampler cannot give; use "
+            "another estimator or `creditrl train`"
         )
     if a.learners > 1 and cfg.trainer.strategy == "fsdp2":
         raise ValueError(

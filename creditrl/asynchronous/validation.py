@@ -26,8 +26,10 @@ import torch
 from creditrl.batch import Batch
 
 __all__ = [
+    "AGENT_FIELDS",
     "EPISODE_FIELDS",
     "REASONS",
+    "STRUCTURED_FIELDS",
     "GroupLimits",
     "MessageError",
     "check_payload",
@@ -79,9 +81,19 @@ _TENSORS = {
     "token_level_scores": ("score", "T"),
     "rm_scores": ("score", "T"),
     "weight_version": ("version", None),
+    # agent runs (agent.enable): the loop's turn numbers and spec 001's structured parts
+    "turn_ids": ("count", "T"),
+    "num_turns": ("count", None),
+    "turn_scores": ("score", None),
+    "global_scores": ("score", None),
 }
+# tensors an agent run's groups carry (GroupLimits.optional)
+AGENT_FIELDS = ("turn_ids", "num_turns")
+STRUCTURED_FIELDS = ("turn_scores", "global_scores")
 _DTYPES = {"ids": torch.int64, "mask": torch.int64, "position": torch.int64,
-           "version": torch.int64, "log_prob": torch.float32, "score": torch.float32}  # fmt: skip
+           "version": torch.int64, "log_prob": torch.float32, "score": torch.float32,
+           "count": torch.int64}  # fmt: skip
+_MAX_COUNT = 1 << 20  # turn numbers and counts: small non-negative integers
 _MAX_LOG_PROB = 1e-3  # log-probs are <= 0; a little slack for rounding
 _MAX_SCORE = 1e9  # larger rewards overflow float32 statistics (squares in the group std)
 # non-tensor column -> allowed JSON types of each value (None: any JSON value)
@@ -95,6 +107,12 @@ _COLUMNS: dict[str, tuple[type, ...] | None] = {
     "extra_info": (dict,),
     "index": (int,),
     "reward_extra_info": (dict,),
+    "traj_id": (str,),
+    "tool_calls": (list,),
+    "agent_info": (dict,),
+    "messages": (list,),
+    "structured_rewards": (dict,),
+    "tokenization_drift": (dict, type(None)),
 }
 _REQUIRED_COLUMNS = ("uid", "episode_id", "sampler_id")
 _META: dict[str, tuple[type, ...]] = {
@@ -102,6 +120,7 @@ _META: dict[str, tuple[type, ...]] = {
     "max_response_length": (int,),
     "eos_token_id": (int, list, type(None)),
     "reward_extra_keys": (list,),
+    "step": (int,),
 }
 
 
@@ -184,6 +203,8 @@ def _check_tensors(group: Batch, where: str) -> None:
             raise MessageError(f"{where}: {name} holds log-probs above 0", "value")
         if kind == "score" and bool((x.abs() > _MAX_SCORE).any()):
             raise MessageError(f"{where}: {name} holds values beyond +-{_MAX_SCORE:g}", "value")
+        if kind == "count" and not bool(((x >= 0) & (x <= _MAX_COUNT)).all()):
+            raise MessageError(f"{where}: {name} holds counts outside [0, {_MAX_COUNT}]", "value")
         if kind == "position" and not bool(((x >= 0) & (x < p + t)).all()):
             raise MessageError(f"{where}: {name} holds positions outside [0, P+T)", "value")
     if not torch.equal(group["input_ids"], torch.cat([group["prompts"], group["responses"]], 1)):

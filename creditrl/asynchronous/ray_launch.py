@@ -1,0 +1,357 @@
+"""``creditrl async`` with ``asynchronous.launcher=ray``: the learner ranks and the samplers as
+Ray actors, on the cluster at ``trainer.ray.address`` (or ``$RAY_ADDRESS``), else on a local
+cluster bound to loopback (``init_ray``).
+
+Placement: one placement group (``trainer.ray.placement_strategy``) with one bundle of
+``trainer.ray.cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs) per actor: learner ranks
+first, then samplers. Each ``AsyncActor`` builds its ``Learner`` / ``Sampler`` inside itself
+from the config sent as JSON and runs ``fit()`` / ``run()``; it answers JSON (exit code, error,
+last traceback lines), never pickled objects of ours.
+
+Network: on a local cluster the learner binds 127.0.0.1. On a named cluster it binds its own
+node's address (``asynchronous.host`` and, when 0, ``port`` and ``dist_port`` are set here from
+learner rank 0's node); a non-loopback address needs ``asynchronous.curve_keys_dir`` or
+``asynchronous.allow_insecure``, as for the process launcher. The output directory (weights,
+sampler outboxes) and the CURVE keys must be on a filesystem every node reads; an actor works in
+the launcher's directory when its node has it.
+
+Supervision (``supervise_actors``), as the process launcher: the run ends when learner rank 0
+finishes (the samplers it told to stop get ``grace_s``, then are killed), and as soon as any
+actor raises, exits non-zero or dies: the launcher names its role and index, prints the error
+and the last lines, kills the others and returns non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.markup import escape
+
+from creditrl.asynchronous.launcher import TAIL_LINES
+from creditrl.asynchronous.settings import sampler_id_of
+from creditrl.asynchronous.transport import endpoint, is_loopback
+from creditrl.config import Config
+from creditrl.config.loader import from_dict, to_dict
+from creditrl.errors import ConfigError, UserError
+
+__all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]
+
+
+class AsyncActor:
+    """One learner rank or one sampler (wrapped with ``ray.remote`` by ``launch_ray``)."""
+
+    def __init__(self, role: str, index: int, cwd: str) -> None:
+        self.role, self.index = role, index
+        if os.path.isdir(cwd):  # relative paths of the config mean what they meant there
+            os.chdir(cwd)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's output with this
+        return f"{self.role}-{self.index}"
+
+    def where(self) -> list[Any]:
+        """[node address, node id, two ports free on that address, pid]."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as first, socket.socket() as second:
+            first.bind((host, 0))
+            second.bind((host, 0))
+            ports = [int(first.getsockname()[1]), int(second.getsockname()[1])]
+        return [host, ray.get_runtime_context().get_node_id(), *ports, os.getpid()]
+
+    def run(self, cfg_json: str) -> str:
+        """Build the learner rank or sampler and run it to its end. Answers JSON: ``code`` (0,
+        the sampler's exit code, 2 for a UserError, 1 for any other exception), ``error`` and
+        the last ``lines`` of the traceback."""
+        try:
+            cfg = from_dict(json.loads(cfg_json))
+            code = self._learn(cfg) if self.role == "learner" else self._sample(cfg)
+            return json.dumps({"code": int(code), "error": None, "lines": []})
+        except UserError as err:
+            print(f"{self!r}: {err}", file=sys.stderr)
+            return json.dumps({"code": 2, "error": str(err), "lines": []})
+        except Exception as err:
+            text = traceback.format_exc()
+            print(text, file=sys.stderr, end="")
+            lines = [line for line in text.splitlines() if line.strip()][-TAIL_LINES:]
+            return json.dumps({"code": 1, "error": f"{type(err).__name__}: {err}", "lines": lines})
+
+    def _learn(self, cfg: Config) -> int:
+        from creditrl.asynchronous.learner import Learner
+        from creditrl.controller.distributed import destroy_process_group, init_process_group
+
+        a = cfg.asynchronous
+        if a.learners > 1:
+            init_process_group(
+                self.index,
+                a.learners,
+                master_addr=a.host,
+                master_port=a.dist_port,
+                timeout_s=a.data_timeout_s + 60.0,
+            )
+        try:
+            Learner(cfg, self.index, a.learners).fit()
+        finally:
+            destroy_process_group()
+        return 0
+
+    def _sample(self, cfg: Config) -> int:
+        from creditrl.asynchronous.sampler import Sampler
+
+        return Sampler(cfg, self.index).run()
+
+
+@dataclass
+class ActorRun:
+    """One started actor: its role, index, handle, the reference of its ``run`` call, and
+    whether that call has finished."""
+
+    role: str
+    index: int
+    actor: Any
+    ref: Any = None
+    done: bool = False
+
+    @property
+    def name(self) -> str:
+        """``learner rank 0`` / ``sampler 1 (s1)``."""
+        if self.role == "learner":
+            return f"learner rank {self.index}"
+        return f"sampler {self.index} ({sampler_id_of(self.index)})"
+
+
+def learner_host(cfg: Config, node_ip: str, named_cluster: bool) -> str:
+    """The address the learner binds and the samplers connect to: 127.0.0.1 on a cluster
+    started here, else the learner's node address, which must be loopback or secured (a
+    one-line ConfigError naming the keys otherwise)."""
+    if not named_cluster:
+        return "127.0.0.1"
+    a = cfg.asynchronous
+    if not is_loopback(node_ip) and not a.curve_keys_dir and not a.allow_insecure:
+        raise ConfigError(
+            f"asynchronous.launcher=ray: the learner's node {node_ip} is not loopback, so its "
+            "socket needs CURVE keys: set asynchronous.curve_keys_dir (`creditrl async "
+            "--make-keys DIR`, on a path every node reads) or asynchronous.allow_insecure=true"
+        )
+    return node_ip
+
+
+def _outcome(run: ActorRun) -> tuple[int, str, list[str]]:
+    """(exit code, what happened, last lines) of a finished ``run`` call."""
+    import ray
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    try:
+        answer = json.loads(ray.get(run.ref))
+        code, error, lines = int(answer["code"]), answer["error"], answer["lines"]
+    except RayActorError as err:
+        text = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return 1, f"died ({type(err).__name__}: {text[0] if text else ''})", text[-TAIL_LINES:]
+    except RayTaskError as err:
+        cause = getattr(err, "cause", None) or err
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        return 1, f"raised {type(cause).__name__}: {cause}", lines[-TAIL_LINES:]
+    except (RayError, ValueError, TypeError, KeyError) as err:
+        return 1, f"gave no usable answer ({type(err).__name__}: {err})", []
+    if code == 0:
+        return 0, "finished", []
+    return code, f"failed with code {code}: {error}", [str(line) for line in lines][-TAIL_LINES:]
+
+
+def _kill(runs: Sequence[ActorRun]) -> None:
+    import ray
+
+    for run in runs:
+        with contextlib.suppress(Exception):  # already gone, or the cluster is
+            ray.kill(run.actor, no_restart=True)
+
+
+def _report(run: ActorRun, code: int, words: str, lines: list[str], console: Any) -> int:
+    console.print(
+        f"[red]async:[/red] {escape(run.name)} {escape(words.splitlines()[0] if words else '')}"
+        "; stopping the run",
+        markup=True,
+        highlight=False,
+    )
+    if lines:
+        console.print(f"last {len(lines)} line(s) of {run.name}:", markup=False)
+        for line in lines:
+            console.print(f"  | {line}", markup=False, highlight=False)
+    console.print(
+        "async: rerun the same command to resume (the learner from its last checkpoint, the "
+        "samplers resend their unacknowledged groups)",
+        markup=False,
+    )
+    return code
+
+
+def supervise_actors(
+    learners: Sequence[ActorRun],
+    samplers: Sequence[ActorRun],
+    console: Any,
+    grace_s: float = 60.0,
+    poll_s: float = 0.5,
+) -> int:
+    """Wait for learner rank 0's ``run``; end the run as soon as any actor fails (see the module
+    docstring). Returns 0 or the failed actor's code (1 when it died or raised); 130 on Ctrl-C.
+    Every actor is killed before it returns."""
+    import ray
+
+    everyone = [*learners, *samplers]
+    pending = {run.ref: run for run in everyone if not run.done}
+    try:
+        while not learners[0].done:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+            for ref in ready:
+                run = pending.pop(ref)
+                run.done = True
+                code, words, lines = _outcome(run)
+                if code != 0:
+                    return _report(run, code, words, lines, console)
+        if pending:
+            ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _kill(everyone)
+
+
+def _bundle(cfg: Config) -> dict[str, float]:
+    ray_cfg = cfg.trainer.ray
+    bundle = {"CPU": ray_cfg.cpus_per_worker}
+    if ray_cfg.gpus_per_worker > 0:
+        bundle["GPU"] = ray_cfg.gpus_per_worker
+    return bundle
+
+
+def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRun]] | int:
+    """The placement group and the actors (learner ranks, then samplers), or an exit code
+    after reporting a placement that did not happen in time."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    a, ray_cfg = cfg.asynchronous, cfg.trainer.ray
+    roles = [("learner", r) for r in range(a.learners)]
+    roles += [("sampler", i) for i in range(a.num_samplers)]
+    bundle = _bundle(cfg)
+    placement = placement_group([bundle] * len(roles), strategy=ray_cfg.placement_strategy)
+    timeout = cfg.trainer.call_timeout_s
+    ready, _ = ray.wait([placement.ready()], timeout=timeout)
+    if not ready:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(placement)
+        console.print(
+            f"[red]async:[/red] the Ray cluster did not place {len(roles)} actor(s) of "
+            f"{bundle} (trainer.ray.cpus_per_worker / gpus_per_worker, placement_strategy="
+            f"{ray_cfg.placement_strategy}) within {timeout:.0f} s (trainer.call_timeout_s); "
+            f"it has {escape(str(ray.cluster_resources()))}",
+            highlight=False,
+        )
+        return 1
+    remote = ray.remote(AsyncActor)
+    runs = [
+        ActorRun(
+            role,
+            index,
+            remote.options(
+                num_cpus=ray_cfg.cpus_per_worker,
+                num_gpus=ray_cfg.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=slot
+                ),
+            ).remote(role, index, os.getcwd()),
+        )
+        for slot, (role, index) in enumerate(roles)
+    ]
+    return placement, runs[: a.learners], runs[a.learners :]
+
+
+def _locate(runs: Sequence[ActorRun], timeout: float, console: Any) -> list[list[Any]] | int:
+    """Each actor's ``where()``, or an exit code after naming the actor that did not start."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    refs = [run.actor.where.remote() for run in runs]
+    places = []
+    for run, ref in zip(runs, refs, strict=True):
+        try:
+            places.append(ray.get(ref, timeout=timeout))
+        except (GetTimeoutError, RayError) as err:
+            first = next((line for line in str(err).splitlines() if line.strip()), "")
+            console.print(
+                f"[red]async:[/red] {escape(run.name)} did not start as a Ray actor: "
+                f"{type(err).__name__}: {escape(first.strip())}",
+                highlight=False,
+            )
+            return 1
+    return places
+
+
+def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
+    """Run the learner rank(s) and samplers as Ray actors to completion under
+    ``supervise_actors``; returns its code."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "asynchronous.launcher=ray needs the 'ray' package: pip install 'creditrl[ray]', "
+            "or use asynchronous.launcher=processes"
+        ) from None
+    from creditrl.controller.ray_group import init_ray
+
+    a = cfg.asynchronous
+    named = bool(cfg.trainer.ray.address or os.environ.get("RAY_ADDRESS"))
+    started = not ray.is_initialized()
+    actors = a.learners + a.num_samplers  # the local cluster is sized for one bundle each
+    sized = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, workers=actors, critic_placement="colocated")
+    )
+    init_ray(sized)
+    placement, everyone = None, []
+    try:
+        begun = _start(cfg, console)
+        if isinstance(begun, int):
+            return begun
+        placement, learners, samplers = begun
+        everyone = [*learners, *samplers]
+        places = _locate(everyone, cfg.trainer.call_timeout_s, console)
+        if isinstance(places, int):
+            return places
+        node_ip, _, free_port, free_dist_port, _ = places[0]
+        host = learner_host(cfg, node_ip, named)
+        asynchronous = dataclasses.replace(
+            a, host=host, port=a.port or free_port, dist_port=a.dist_port or free_dist_port
+        )
+        run_cfg = dataclasses.replace(cfg, asynchronous=asynchronous)
+        console.print(
+            f"async on Ray: {len(learners)} learner rank(s) + {len(samplers)} sampler(s), "
+            f"learner at {endpoint(host, asynchronous.port)}, output in "
+            f"{cfg.trainer.output_dir}; nodes: "
+            + ", ".join(f"{r.name} on {p[0]} ({p[1][:8]})" for r, p in zip(everyone, places)),
+            markup=False,
+            highlight=False,
+        )
+        cfg_json = json.dumps(to_dict(run_cfg))
+        for run in everyone:
+            run.ref = run.actor.run.remote(cfg_json)
+        return supervise_actors(learners, samplers, console, grace_s)
+    finally:
+        _kill(everyone)
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(placement)
+        if started:
+            ray.shutdown()
