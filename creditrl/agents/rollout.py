@@ -28,7 +28,7 @@ import torch
 
 from creditrl.agents.drift import DRIFT_FIELD
 from creditrl.agents.loop import STOP_REASONS, AgentLoop, Trajectory
-from creditrl.batch import Batch
+from creditrl.batch import Batch, assemble_rollout_batch
 from creditrl.config.schema import AgentConfig, RolloutConfig
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnGenerator
 from creditrl.tools import TOOL_STATUSES, ToolRegistry, build_registry
@@ -47,7 +47,6 @@ def trajectories_to_batch(
 ) -> Batch:
     """The rollout Batch of ``trajectories`` (one per row of ``prompts``); see the module
     docstring for the fields."""
-    ids, mask = prompts["input_ids"].long().cpu(), prompts["attention_mask"].long().cpu()
     size = len(trajectories)
     width = max(1, max(len(t.response_ids) for t in trajectories))
     responses = torch.full((size, width), pad_token_id, dtype=torch.long)
@@ -62,22 +61,18 @@ def trajectories_to_batch(
         real[i, :n] = 1
         turn_ids[i, :n] = torch.tensor(traj.turn_ids, dtype=torch.long)
         log_probs[i, :n] = torch.tensor(traj.log_probs, dtype=torch.float32)
-    attention_mask = torch.cat([mask, real], dim=1)
-    fields = {
-        "prompts": ids,
-        "responses": responses,
-        "response_mask": policy_mask if state_masking else real.clone(),
-        "input_ids": torch.cat([ids, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "rollout_log_probs": log_probs,
-        "turn_ids": turn_ids,
-        "num_turns": torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
-    }
-    device = prompts["input_ids"].device
-    tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
-    tensors.update({k: v.to(device) for k, v in fields.items()})
-    non_tensors = dict(prompts.non_tensors)
+    out = assemble_rollout_batch(
+        prompts,
+        responses,
+        log_probs,
+        real,
+        response_mask=policy_mask if state_masking else real.clone(),
+        extra={
+            "turn_ids": turn_ids,
+            "num_turns": torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
+        },
+    )
+    non_tensors = out.non_tensors
     non_tensors["messages"] = [t.messages for t in trajectories]
     non_tensors["tool_calls"] = [[c.as_dict() for c in t.tool_calls] for t in trajectories]
     non_tensors["agent_info"] = [
@@ -94,7 +89,7 @@ def trajectories_to_batch(
     meta = dict(prompts.meta)
     keys = list(meta.get("reward_extra_keys", []))
     meta["reward_extra_keys"] = keys + [k for k in _DUMPED if k not in keys]
-    return Batch(tensors, non_tensors, meta)
+    return Batch(dict(out.tensors.items()), non_tensors, meta)
 
 
 def agent_metrics(batch: Batch) -> dict[str, float]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, position_ids_from_mask
 
 __all__ = ["BufferedGroup", "GroupBuffer", "concat_groups", "staleness_metrics"]
 
@@ -117,7 +117,7 @@ def concat_groups(groups: list[Batch], pad_token_id: int) -> Batch:
             [_pad(attention[:, :p], left, 0, 0), _pad(attention[:, p:], 0, right, 0)], dim=1
         )
         tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
-        tensors["position_ids"] = (tensors["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+        tensors["position_ids"] = position_ids_from_mask(tensors["attention_mask"])
         padded.append(Batch(tensors, g.non_tensors, g.meta))
     return Batch.concat(padded)
 

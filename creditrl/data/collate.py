@@ -7,15 +7,9 @@ from typing import Any
 
 import torch
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, position_ids_from_mask
 
 __all__ = ["collate_prompts", "position_ids_from_mask"]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``position_ids = clamp(cumsum(attention_mask, -1) - 1, min=0)`` (int64): the first real
-    token of a left-padded row is position 0; padding positions are 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Batch:

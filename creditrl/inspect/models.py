@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config import Config
-from creditrl.data.collate import position_ids_from_mask
 from creditrl.models import CriticModel, load_causal_lm, resolve_model_path
 from creditrl.models.critic import VALUE_HEAD_FILE
 from creditrl.workers import ActorWorker, CriticWorker

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.rollout.hf_engine import HFRolloutEngine
 
 __all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
@@ -100,7 +100,7 @@ def _left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
             raise ValueError(f"sequence {i} is empty; a turn needs a context")
         ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
         mask[i, width - len(seq) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = position_ids_from_mask(mask)
     return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
@@ -446,21 +446,8 @@ class HFRolloutEngine(RolloutEngine):
         width = int(lengths.max())
         responses = torch.cat([p[0][:, :width] for p in parts])
         rollout_log_probs = torch.cat([p[1][:, :width] for p in parts])
-        response_mask = (torch.arange(width, device=ids.device)[None] < lengths[:, None]).long()
-        attention_mask = torch.cat([mask, response_mask], dim=1)
-        fields = {
-            "prompts": ids,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([ids, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-            "rollout_log_probs": rollout_log_probs,
-        }
-        device = prompts["input_ids"].device
-        tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
-        tensors.update({k: v.to(device) for k, v in fields.items()})
-        return Batch(tensors, prompts.non_tensors, prompts.meta)
+        real = (torch.arange(width, device=ids.device)[None] < lengths[:, None]).long()
+        return assemble_rollout_batch(prompts, responses, rollout_log_probs, real)
 
 
 def sampling_params_of(
@@ -507,7 +494,7 @@ def _prompt_tensors(prompts: Batch, device: torch.device) -> tuple[torch.Tensor,
                 f"position_ids {tuple(positions.shape)} must match input_ids {tuple(ids.shape)}"
             )
     else:
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        positions = position_ids_from_mask(mask)
     bad = (mask[:, -1] != 1).nonzero().flatten().tolist()
     if bad:
         raise ValueError(

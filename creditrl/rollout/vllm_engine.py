@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import ConfigError
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
@@ -125,7 +125,7 @@ def prompt_token_lists(
             raise ValueError(
                 f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(ids.shape)}"
             )
-        expected = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        expected = position_ids_from_mask(mask)
         moved = ((position_ids.long().cpu() != expected) & (mask == 1)).any(dim=1)
         rows = moved.nonzero().flatten().tolist()
         if rows:
@@ -259,23 +259,8 @@ def assemble_rollout(
     for i, (ids, log_probs) in enumerate(cut):
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         rollout_log_probs[i, : len(ids)] = torch.tensor(log_probs, dtype=torch.float32)
-    device = prompts["input_ids"].device
-    ids = prompts["input_ids"].to(dtype=torch.long).cpu()
-    mask = prompts["attention_mask"].to(dtype=torch.long).cpu()
-    response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    attention_mask = torch.cat([mask, response_mask], dim=1)
-    fields = {
-        "prompts": ids,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([ids, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "rollout_log_probs": rollout_log_probs,
-    }
-    tensors = {k: v for k, v in prompts.tensors.items() if k not in fields}
-    tensors.update({k: v.to(device) for k, v in fields.items()})
-    return Batch(tensors, prompts.non_tensors, prompts.meta)
+    real = (torch.arange(width)[None] < lengths[:, None]).long()
+    return assemble_rollout_batch(prompts, responses, rollout_log_probs, real)
 
 
 def eos_token_ids_from_dir(model_path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -161,7 +161,7 @@ class HybridWorker:
                 policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules
             )
         elif self.use_ref:
-            ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+            ref_model = load_reference(self.model_path, cfg.model.dtype)
         sharded = self.world > 1 and cfg.trainer.strategy == "fsdp2"
         samples_with_module = engine_traits(cfg.rollout.engine).samples_with_actor_module
         rollout_model = policy
