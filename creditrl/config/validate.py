@@ -32,6 +32,7 @@ __all__ = [
     "validate_config",
 ]
 
+
 def _estimator(cfg: Config) -> dict[str, Any] | None:
     """What the configured estimator declared at registration (``requires``, ``grouped``,
     ``options``); None for a ``file.py:name`` spec, which is judged once it is loaded."""
@@ -503,8 +504,10 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
     (
         lambda c: c.algorithm.filter_groups.enable,
         ("reward.async_reward",),
-        lambda c: "algorithm.filter_groups.enable=true scores each generation batch before "
-        "choosing groups, so scoring cannot overlap the log-prob pass",
+        lambda c: (
+            "algorithm.filter_groups.enable=true scores each generation batch before "
+            "choosing groups, so scoring cannot overlap the log-prob pass"
+        ),
     ),
     *(
         (

@@ -59,6 +59,8 @@ def register_adv_est(
     return ADV_ESTIMATORS.register(
         name, *aliases, requires=tuple(requires), grouped=grouped, options=tuple(options)
     )
+
+
 Index = Sequence[Any] | np.ndarray | torch.Tensor
 
 
