@@ -152,7 +152,8 @@ def _outcome(run: ActorRun) -> tuple[int, str, list[str]]:
 
     try:
         answer = json.loads(ray.get(run.ref))
-        code, error, lines = int(answer["code"]), answer["error"], answer["lines"]
+        code, error = int(answer["code"]), answer["error"]
+        lines = [str(line) for line in answer["lines"]][-TAIL_LINES:]
     except RayActorError as err:
         text = [line.strip() for line in str(err).splitlines() if line.strip()]
         return 1, f"died ({type(err).__name__}: {text[0] if text else ''})", text[-TAIL_LINES:]
@@ -164,7 +165,7 @@ def _outcome(run: ActorRun) -> tuple[int, str, list[str]]:
         return 1, f"gave no usable answer ({type(err).__name__}: {err})", []
     if code == 0:
         return 0, "finished", []
-    return code, f"failed with code {code}: {error}", [str(line) for line in lines][-TAIL_LINES:]
+    return code, f"failed with code {code}" + (f": {error}" if error else ""), lines
 
 
 def _kill(runs: Sequence[ActorRun]) -> None:
@@ -181,11 +182,12 @@ def _report(run: ActorRun, code: int, words: str, lines: list[str], console: Any
         "; stopping the run",
         markup=True,
         highlight=False,
+        soft_wrap=True,
     )
     if lines:
         console.print(f"last {len(lines)} line(s) of {run.name}:", markup=False)
         for line in lines:
-            console.print(f"  | {line}", markup=False, highlight=False)
+            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(
         "async: rerun the same command to resume (the learner from its last checkpoint, the "
         "samplers resend their unacknowledged groups)",
@@ -335,13 +337,17 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
             a, host=host, port=a.port or free_port, dist_port=a.dist_port or free_dist_port
         )
         run_cfg = dataclasses.replace(cfg, asynchronous=asynchronous)
+        nodes = ", ".join(
+            f"{run.name} on {place[0]} ({place[1][:8]})"
+            for run, place in zip(everyone, places, strict=True)
+        )
         console.print(
             f"async on Ray: {len(learners)} learner rank(s) + {len(samplers)} sampler(s), "
             f"learner at {endpoint(host, asynchronous.port)}, output in "
-            f"{cfg.trainer.output_dir}; nodes: "
-            + ", ".join(f"{r.name} on {p[0]} ({p[1][:8]})" for r, p in zip(everyone, places)),
+            f"{cfg.trainer.output_dir}; nodes: {nodes}",
             markup=False,
             highlight=False,
+            soft_wrap=True,
         )
         cfg_json = json.dumps(to_dict(run_cfg))
         for run in everyone:

@@ -457,7 +457,7 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: "rollout.engine=hf (these are vllm settings)",
     ),
     (
-        lambda c: c.trainer.backend == "local",
+        lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
         ("trainer.ray.", "trainer.critic_placement"),
         lambda c: "trainer.backend=local",
     ),
