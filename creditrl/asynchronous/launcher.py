@@ -194,17 +194,21 @@ def _report(child: Child, console: Any) -> int:
         f"[red]async:[/red] {child.name} {words}; stopping the run (log: {child.log_path})",
         markup=True,
     )
-    lines = child.last_lines()
+    print_tail(console, child.name, child.last_lines())
+    return code
+
+
+def print_tail(console: Any, name: str, lines: Sequence[str]) -> None:
+    """The last output lines of a failed process or actor, then how to resume."""
     if lines:
-        console.print(f"last {len(lines)} line(s) of {child.name}:", markup=False)
+        console.print(f"last {len(lines)} line(s) of {name}:", markup=False)
         for line in lines:
-            console.print(f"  | {line}", markup=False, highlight=False)
+            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(
         "async: rerun the same command to resume (the learner from its last checkpoint, the "
         "samplers resend their unacknowledged groups)",
         markup=False,
     )
-    return code
 
 
 def supervise(

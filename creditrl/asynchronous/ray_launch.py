@@ -36,7 +36,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from creditrl.asynchronous.launcher import TAIL_LINES
+from creditrl.asynchronous.launcher import TAIL_LINES, print_tail
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.transport import endpoint, is_loopback
 from creditrl.config import Config
@@ -184,15 +184,7 @@ def _report(run: ActorRun, code: int, words: str, lines: list[str], console: Any
         highlight=False,
         soft_wrap=True,
     )
-    if lines:
-        console.print(f"last {len(lines)} line(s) of {run.name}:", markup=False)
-        for line in lines:
-            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
-    console.print(
-        "async: rerun the same command to resume (the learner from its last checkpoint, the "
-        "samplers resend their unacknowledged groups)",
-        markup=False,
-    )
+    print_tail(console, run.name, lines)
     return code
 
 
