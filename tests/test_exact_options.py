@@ -126,28 +126,14 @@ def test_actor_loss_skips_rejected_tokens_only(tiny_actor_batch) -> None:
 
 @pytest.fixture
 def tiny_actor_batch(model):
-    """A 2-row batch for the tiny model: prompt of 3, responses of 4 and 3 tokens, distinct
-    advantages, old log-probs shifted so the ratio is not 1."""
-    from creditrl.workers import policy_forward
+    """A real 2-row group for the tiny model (test_async_learner.make_group: responses of 4 and
+    3 tokens), with distinct advantages and old log-probs shifted so the ratio is not 1."""
+    from test_async_learner import make_group
 
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(3, 40000, (2, 3), generator=g)
-    responses = torch.randint(3, 40000, (2, 4), generator=g)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    attention = torch.cat([torch.ones(2, 3, dtype=torch.long), mask], dim=1)
-    batch = Batch(
-        {
-            "prompts": prompt,
-            "responses": responses,
-            "response_mask": mask,
-            "input_ids": torch.cat([prompt, responses], dim=1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "advantages": torch.tensor([[1.0, 1.0, 1.0, 1.0], [-0.5, -0.5, -0.5, 0.0]]),
-        }
-    )
-    with torch.no_grad():
-        batch["old_log_probs"] = (policy_forward(model, batch, 1.0)[0] - 0.05) * mask
+    batch = make_group(model, "s0", 0, 0)
+    mask = batch["response_mask"]
+    batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-0.5, -0.5, -0.5, 0.0]])
+    batch["old_log_probs"] = (batch["rollout_log_probs"] - 0.05) * mask
     return model, batch
 
 
