@@ -1,10 +1,15 @@
 """TRL's GRPOTrainer on the main job's task and shape (needs the `bench` extra: trl).
 
 Used by step_time.py and learning_curve.py: 4 prompts x 4 samples per step, 96 new tokens,
-SmolLM2-135M-Instruct (the embedded model), the same chain_sum prompts and the same reward
-function as creditrl's default; TRL's defaults otherwise (no reference model, one iteration
-per batch), gradient checkpointing off. Prints one JSON line: per-step seconds, rewards and
-timestamps, and peak memory.
+SmolLM2-135M-Instruct (the embedded model), the same chain_sum prompts (worked example
+included), learning rate, temperature and reward function as creditrl's default; TRL's defaults
+otherwise (no reference model, one iteration per batch), gradient checkpointing off.
+
+With ``--val-every N`` it validates before step 1 and every N steps exactly as creditrl does:
+greedy answers (creditrl's HF engine on TRL's model) to the same held-out prompts, scored by
+the same function; the validation time is kept out of ``train_s``. ``--minutes M`` stops
+after M minutes of training time. Prints one JSON line: per-step seconds, rewards, training
+time at each step's end, the validations, and peak memory.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from creditrl.config import Config
-from creditrl.data.tasks import build_task_rows
+from creditrl.config.schema import RolloutConfig
+from creditrl.data import build_datasets, build_task_rows
 from creditrl.models import embedded_model_dir, load_tokenizer
 from creditrl.rewards.scorers import reasoning_gym_score
+from creditrl.rollout import HFRolloutEngine
 
 
 def chain_sum_reward(completions, ground_truth, rg_entry, **_):
@@ -36,22 +43,60 @@ def chain_sum_reward(completions, ground_truth, rg_entry, **_):
     ]
 
 
-class StepClock(TrainerCallback):
-    """Wall-clock seconds of each optimizer step, and when it ended."""
+def greedy_validation(model, tokenizer, val) -> dict[str, float]:
+    """creditrl's validation on ``model``: greedy answers to every row of the PromptDataset
+    ``val``, mean score and strict accuracy (tagged and correct)."""
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_response_length=96))
+    out = engine.generate(val.batch(list(range(len(val)))), greedy=True)
+    scores, strict = [], []
+    for i in range(len(out)):
+        length = int(out["response_mask"][i].sum())
+        text = tokenizer.decode(out["responses"][i, :length], skip_special_tokens=True)
+        extra = out["extra_info"][i]
+        result = reasoning_gym_score(out["data_source"][i], text, out["ground_truth"][i], extra)
+        scores.append(result["score"])
+        strict.append(float(result["answer_score"] >= 1 and result["format_score"] >= 1))
+    return {"score": statistics.mean(scores), "strict_accuracy": statistics.mean(strict)}
 
-    def __init__(self) -> None:
-        self.began = time.perf_counter()
+
+class StepClock(TrainerCallback):
+    """Seconds of each optimizer step and training time at its end; validation every
+    ``val_every`` steps (and before the first) with the clock stopped."""
+
+    def __init__(self, tokenizer, val, val_every: int, minutes: float) -> None:
+        self.tokenizer, self.val, self.val_every, self.limit_s = (
+            tokenizer,
+            val,
+            val_every,
+            minutes * 60,
+        )
         self.seconds: list[float] = []
         self.ended: list[float] = []
+        self.validations: list[dict[str, float]] = []
         self._t = 0.0
+
+    def validate(self, model, step: int) -> None:
+        if self.val_every > 0:
+            train_s = self.ended[-1] if self.ended else 0.0
+            result = greedy_validation(model, self.tokenizer, self.val)
+            self.validations.append({"step": step, "train_s": train_s, **result})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.validate(model, 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._t = time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(now - self._t)
-        self.ended.append(now - self.began)
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.seconds.append(time.perf_counter() - self._t)
+        self.ended.append(sum(self.seconds))
+        out_of_time = self.limit_s > 0 and self.ended[-1] >= self.limit_s
+        if out_of_time or state.global_step >= state.max_steps:
+            control.should_training_stop = True
+        if self.val_every > 0 and (
+            state.global_step % self.val_every == 0 or control.should_training_stop
+        ):
+            self.validate(model, state.global_step)
 
 
 def main() -> None:
@@ -59,9 +104,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=Config().actor.optim.lr)
     parser.add_argument("--temperature", type=float, default=Config().rollout.temperature)
+    parser.add_argument("--val-every", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=0.0)
     args = parser.parse_args()
     data = Config().data
-    rows = build_task_rows(data.task, data.task_kwargs, data.train_size, data.val_size, data.seed)
+    rows = build_task_rows(
+        data.task,
+        data.task_kwargs,
+        data.train_size,
+        data.val_size,
+        data.seed,
+        data.system_prompt,
+        data.few_shot,
+    )
     dataset = Dataset.from_list(
         [
             {
@@ -89,13 +144,14 @@ def main() -> None:
         save_strategy="no",
         seed=data.seed,
     )
-    clock = StepClock()
+    tokenizer = load_tokenizer(model_dir)
+    clock = StepClock(tokenizer, build_datasets(data, tokenizer)[1], args.val_every, args.minutes)
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=chain_sum_reward,
         args=config,
         train_dataset=dataset,
-        processing_class=load_tokenizer(model_dir),
+        processing_class=tokenizer,
         callbacks=[clock],
     )
     trainer.train()
@@ -106,6 +162,8 @@ def main() -> None:
         "step_s": statistics.median(timed),
         "step_seconds": clock.seconds,
         "ended_s": clock.ended,
+        "train_s": clock.ended,
+        "validations": clock.validations,
         "rewards": rewards,
         "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }

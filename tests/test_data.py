@@ -25,6 +25,7 @@ from creditrl.data import (
     collate_prompts,
     read_rows,
     score_rg_answer,
+    worked_example,
 )
 from creditrl.errors import DataError
 
@@ -321,6 +322,30 @@ def test_task_rows_split_without_overlap_and_scoring():
         build_task_rows("chain_sum", {"seed": 1}, 10, 2, 0)
     with pytest.raises(ValueError, match="nonexistent_task"):
         build_task_rows("nonexistent_task", {}, 10, 2, 0)
+
+
+def test_task_rows_worked_examples_precede_every_question():
+    kwargs = DataConfig().task_kwargs
+    rows = build_task_rows("chain_sum", kwargs, train_size=50, val_size=40, seed=0, few_shot=2)
+    val_q = {r.extra["rg_entry"]["question"] for r in rows.val}
+    shots = rows.train[0].messages[1:5]
+    assert [m["role"] for m in shots] == ["user", "assistant", "user", "assistant"]
+    for question, answer in (shots[0:2], shots[2:4]):
+        q = question["content"].split("\n")[0]
+        assert q not in val_q and q.endswith(" =")
+        expression = q.split(": ")[1].removesuffix(" =")
+        value = str(eval(expression))  # a 1-digit sum from the generator
+        assert answer["content"] == f"{expression} = {value}\n<answer>{value}</answer>"
+    for r in rows.train + rows.val:
+        assert r.messages[1:5] == shots and len(r.messages) == 6
+        assert r.messages[5]["content"].startswith(r.extra["rg_entry"]["question"])
+    assert worked_example({"question": "Q?", "answer": 3, "metadata": {}})[1] == {
+        "role": "assistant",
+        "content": "<answer>3</answer>",
+    }
+    assert len(build_task_rows("chain_sum", kwargs, 5, 4, 0).train[0].messages) == 2
+    with pytest.raises(ValueError, match=r"data\.few_shot=1: .* gave only 0 examples"):
+        build_task_rows("chain_sum", kwargs, 5, 2000, 0, few_shot=1)  # val holds every question
 
 
 def test_build_datasets_from_task(tokenizer):

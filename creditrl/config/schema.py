@@ -60,6 +60,8 @@ class DataConfig:
     """A prompt over max_prompt_length is 'drop'ped (counted) or 'raise's an error."""
     system_prompt: str | None = None
     """System message for rows without one; null: the task's default instruction."""
+    few_shot: int = 1
+    """Worked examples (task questions with tagged answers) before each data.task question."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (from data.seed); false: file order."""
     seed: int = 0
@@ -198,8 +200,8 @@ class ActorConfig:
     """Entropy bonus: the loss minus entropy_coeff x mean token entropy; 0: off."""
     use_rollout_log_probs: bool = True
     """Reuse the rollout's log-probs as old_log_probs when it samples the actor exactly."""
-    autocast: str = "bf16"
-    """'bf16': the update's forward/backward under bfloat16 autocast; 'none': model.dtype."""
+    autocast: str = "auto"
+    """'bf16': the update under bfloat16 autocast; 'none': model.dtype; 'auto': bf16 if native."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
     max_token_len_per_device: int = 4096

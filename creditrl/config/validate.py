@@ -62,7 +62,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward.reward_model.mode": ("replace", "add"),
     "actor.optim.lr_scheduler": ("constant", "cosine"),  # workers.optim
     "critic.optim.lr_scheduler": ("constant", "cosine"),
-    "actor.autocast": ("none", "bf16"),
+    "actor.autocast": ("auto", "bf16", "none"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.filter_groups.metric": ("score",),
     "trainer.backend": ("local", "ray"),  # controller
@@ -155,6 +155,7 @@ RANGES: dict[str, Range] = {
     "model.lora_alpha": POSITIVE,
     "data.train_size": AT_LEAST_1,
     "data.val_size": AT_LEAST_0,
+    "data.few_shot": AT_LEAST_0,
     "data.train_batch_size": AT_LEAST_1,
     "data.max_prompt_length": AT_LEAST_1,
     "rollout.n": AT_LEAST_1,
@@ -428,6 +429,15 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
     ),
     (lambda c: not c.agent.enable, ("agent.",), lambda c: "agent.enable=false"),
+    (
+        lambda c: bool(c.data.train_files) or c.agent.enable,
+        ("data.few_shot",),
+        lambda c: (
+            "data.train_files holds the prompts"
+            if c.data.train_files
+            else "agent tasks show their own example (data.task_kwargs.few_shot)"
+        ),
+    ),
     (
         lambda c: not c.algorithm.use_kl_in_reward,
         ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),

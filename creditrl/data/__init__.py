@@ -12,6 +12,7 @@ from creditrl.data.tasks import (
     build_task_rows,
     score_rg_answer,
     task_messages,
+    worked_example,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "read_rows_from_files",
     "score_rg_answer",
     "task_messages",
+    "worked_example",
 ]

@@ -57,7 +57,13 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
     if not cfg.task:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
     rows = build_task_rows(
-        cfg.task, cfg.task_kwargs, cfg.train_size, cfg.val_size, cfg.seed, cfg.system_prompt
+        cfg.task,
+        cfg.task_kwargs,
+        cfg.train_size,
+        cfg.val_size,
+        cfg.seed,
+        cfg.system_prompt,
+        cfg.few_shot,
     )
     train = dataset(rows.train, "train", f"data.task={cfg.task!r} (train)")
     train.num_dropped_overlap = rows.num_dropped_overlap

@@ -41,6 +41,7 @@ from creditrl.tracking import (
 )
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
+from creditrl.workers.precision import resolve_autocast
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -91,7 +92,10 @@ class RLTrainer:
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.pipeline = StepPipeline(cfg, self.workers, self.reward, self.tokenizer)
         self.use_critic = self.pipeline.plan.needs_critic
-        self.health = FirstMinibatchMonitor.for_autocast(cfg.actor.autocast)
+        device = "cuda" if cfg.trainer.ray.gpus_per_worker > 0 else "cpu"
+        self.health = FirstMinibatchMonitor.for_autocast(
+            resolve_autocast(cfg.actor.autocast, device)
+        )
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)

@@ -22,6 +22,7 @@ from creditrl.workers.forward import policy_forward, split_indices
 from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_policy_forward
+from creditrl.workers.precision import resolve_autocast
 
 __all__ = ["ActorWorker", "policy_loss_config"]
 
@@ -68,8 +69,8 @@ class ActorWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.loss_cfg = policy_loss_config(cfg)
         get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
-        if cfg.autocast not in ("none", "bf16"):
-            raise ValueError(f"actor.autocast must be 'none' or 'bf16', got {cfg.autocast!r}")
+        device = next(model.parameters()).device.type
+        self.autocast = resolve_autocast(cfg.autocast, device)
         if cfg.max_token_len_per_device < 1:
             raise ValueError(
                 f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
@@ -81,10 +82,11 @@ class ActorWorker:
         return micro_batches_for(batch, size, self.cfg)
 
     def _autocast(self) -> torch.autocast:
-        """bfloat16 autocast for the update's forward and backward when ``autocast=bf16``
-        (about 1.7x faster on CPUs with avx512_bf16); log-probs and losses stay float32."""
+        """bfloat16 autocast for the update's forward and backward when ``actor.autocast``
+        resolves to bf16 (``creditrl.workers.precision``; about 1.7x faster on CPUs with
+        avx512_bf16); log-probs and losses stay float32."""
         device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
 
     @torch.no_grad()
     def compute_log_prob(
