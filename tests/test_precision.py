@@ -29,5 +29,5 @@ def test_auto_resolves_on_cpu(monkeypatch, native):
 
 def test_default_is_auto_and_bad_values_refused():
     assert load_config().actor.autocast == "auto"
-    with pytest.raises(ValueError, match="actor.autocast"):
+    with pytest.raises(ValueError, match=r"actor\.autocast"):
         resolve_autocast("fp16", "cpu")

@@ -21,6 +21,9 @@ every observation's ids; nothing the policy produced is decoded and encoded agai
 Concurrency: every sample is a coroutine. Generation requests are batched: the engine runs
 when every unfinished sample is waiting for a turn (samples still running tools are waited
 for), with requests in sample order, so a batch's random draws do not depend on tool timing.
+A request's ``sample`` is the sample's row, so a generator may keep per-sample state between
+turns (the HF engine's KV caches); the generator's ``end_run()``, where it has one, is called
+when the run ends.
 """
 
 from __future__ import annotations
@@ -209,7 +212,12 @@ class AgentLoop:
             self._sample(i, list(ids), raw_prompts[i], batcher, None if seeds is None else seeds[i])
             for i, ids in enumerate(prompt_ids)
         ]
-        out = await asyncio.gather(*tasks)
+        try:
+            out = await asyncio.gather(*tasks)
+        finally:
+            end_run = getattr(self.generator, "end_run", None)  # optional in TurnGenerator
+            if end_run is not None:
+                end_run()
         self.last_engine_calls = batcher.calls
         return list(out)
 

@@ -15,8 +15,9 @@ Masks (spec 001): ``attention_mask`` is 1 on every real token, observations incl
 mask table prescribes for that setting. ``rollout_log_probs`` is 0 on observation tokens.
 
 ``last_metrics`` holds the latest batch's ``agent_metrics`` (``tools/*``, ``num_turns/*``,
-``agent/*``). The drift checks run on the batch afterwards (``creditrl.agents.hooks``), where
-the trainer has it.
+``agent/*``); ``last_stats["prefill_tokens"]`` the tokens prefilled over all its turns, when
+the turn generator counts them (``EngineTurnGenerator.last_run_stats``). The drift checks run
+on the batch afterwards (``creditrl.agents.hooks``), where the trainer has it.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class AgentRollout:
             tokenizer,
             max_tokens_per_turn=agent_cfg.max_tokens_per_turn,
             stop=agent_cfg.stop,
+            keep_kv_cache=agent_cfg.keep_kv_cache,
         )
         self.tools = tools or build_registry(
             agent_cfg.tools,
@@ -165,6 +167,7 @@ class AgentRollout:
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.last_metrics: dict[str, float] = {}
         self.last_trajectories: list[Trajectory] = []
+        self.last_stats: dict[str, float] = {}
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -200,4 +203,6 @@ class AgentRollout:
         )
         self.last_metrics = agent_metrics(batch)
         self.last_trajectories = trajectories
+        prefill = getattr(self.turns, "last_run_stats", {}).get("prefill_tokens")
+        self.last_stats = {} if prefill is None else {"prefill_tokens": float(prefill)}
         return batch

@@ -482,6 +482,8 @@ class AgentConfig:
     """How turn and global rewards reach tokens (final_token_only, turn_proportional)."""
     drift_check_rows: int = 4
     """Samples per batch checked for tokenization drift; 0: off."""
+    keep_kv_cache: bool = True
+    """HF engine: keep each sample's KV cache between turns (prefill only new tokens)."""
 
 
 @dataclass

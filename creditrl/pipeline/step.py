@@ -28,6 +28,7 @@ from creditrl.pipeline import stages
 from creditrl.pipeline.plan import Plan
 from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
+from creditrl.workers.hybrid import PREFILL_FIELD
 
 __all__ = [
     "StepPipeline",
@@ -85,6 +86,7 @@ class StepPipeline:
     algorithm: AlgorithmConfig | None = None
     plan: Plan = field(init=False)
     kl_ctrl: Any = field(init=False)
+    prefill: tuple[int | None, int | None] = field(init=False, default=(None, None))
 
     def __post_init__(self) -> None:
         self.plan = Plan.from_config(self.cfg)
@@ -94,9 +96,23 @@ class StepPipeline:
 
     # ---- generation half -----------------------------------------------------------------
 
-    def generate(self, prompts: Batch, step: int, **kwargs: Any) -> Batch:
-        """Responses (ids, masks, rollout log-probs) to ``prompts``; ``meta`` says how."""
+    def _rollout(self, prompts: Batch, **kwargs: Any) -> tuple[Batch, int | None]:
+        """The workers' responses and the tokens they prefilled (None: not reported)."""
         batch = self.workers.generate(prompts, **kwargs)
+        if PREFILL_FIELD not in batch:
+            return batch, None
+        counts = batch[PREFILL_FIELD]
+        del batch[PREFILL_FIELD]
+        return batch, int(counts.sum())
+
+    def generate(self, prompts: Batch, step: int, **kwargs: Any) -> Batch:
+        """Responses (ids, masks, rollout log-probs) to ``prompts``; ``meta`` says how.
+        ``prefill`` = (step, tokens prefilled by this step's generate calls so far)."""
+        batch, tokens = self._rollout(prompts, **kwargs)
+        last_step, total = self.prefill
+        if tokens is not None:
+            tokens += total if last_step == step and total is not None else 0
+        self.prefill = (step, tokens)
         batch.meta.update(
             temperature=self.cfg.rollout.temperature,
             max_response_length=self.cfg.rollout.max_response_length,
@@ -114,17 +130,26 @@ class StepPipeline:
             batch = self.generate(prompts, step, **kwargs)
         if self.plan.needs_greedy_baseline:
             with Timer("gen_greedy", timing):
-                greedy = self.workers.generate(prompts, greedy=True)
+                greedy, _ = self._rollout(prompts, greedy=True)
                 batch["reward_baselines"] = self.reward(greedy).scores.float()
         return batch, self.reward.submit(batch)
 
-    @staticmethod
-    def score(batch: Batch, future: Any, timing: dict[str, float], name: str) -> dict[str, float]:
-        """Wait for the reward and write ``token_level_scores`` (and extras) into ``batch``."""
+    def score(
+        self, batch: Batch, future: Any, timing: dict[str, float], name: str
+    ) -> dict[str, float]:
+        """Wait for the reward and write ``token_level_scores`` (and extras) into ``batch``.
+        Returns the reward's metrics and ``rollout/prefill_tokens``: the token positions
+        (padding not counted) pushed through prefill forwards by the generate calls of the
+        batch's step (every generation batch of it; greedy baselines and validation not
+        counted), when the rollout reports them."""
         with Timer(name, timing):
             result = future.result()
         result.write_to(batch)
-        return dict(result.metrics)
+        metrics = dict(result.metrics)
+        step, tokens = self.prefill
+        if tokens is not None and step == batch.meta.get("step"):
+            metrics["rollout/prefill_tokens"] = float(tokens)
+        return metrics
 
     # ---- training half -------------------------------------------------------------------
 
@@ -208,7 +233,7 @@ class StepPipeline:
             prompts = collate_prompts(
                 list(rows[start : start + chunk_size]), self.tokenizer.pad_token_id
             ).repeat(cfg.val_n)
-            batch = self.workers.generate(
+            batch, _ = self._rollout(
                 prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
             )
             result = self.reward(batch)

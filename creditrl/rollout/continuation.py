@@ -13,6 +13,13 @@ Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). For an
 ``HFRolloutEngine`` (or a subclass) it runs a shallow copy that shares the model, tokenizer,
 EOS ids and random generator, with ``max_response_length`` = the per-turn cap, so no turn
 samples past it; other engines sample up to their own cap and the turn is cut.
+
+With ``keep_kv_cache`` and an HF engine whose ``generate`` is the HF engine's own and whose
+model's cache layers are all full attention (``HFRolloutEngine.keeps_turn_kv``), each sample's
+KV cache is kept between its turns (``creditrl.rollout.turn_cache``, keyed by
+``TurnRequest.sample``; a negative sample is never cached), so a turn prefills only the tokens
+appended since the previous one: that turn's last sampled token and the observation. The
+loop calls ``end_run()`` at the end of every run, which frees them.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.rollout.hf_engine import HFRolloutEngine
+from creditrl.rollout.turn_cache import TurnKVCache
 
 __all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
 
@@ -56,7 +64,8 @@ class TurnOutput:
 
 
 class TurnGenerator(Protocol):
-    """What the agent loop needs from an engine."""
+    """What the agent loop needs from an engine. ``end_run`` is optional: the loop calls it,
+    when defined, once a run's trajectories are done."""
 
     eos_token_ids: list[int]
 
@@ -67,6 +76,9 @@ class TurnGenerator(Protocol):
         greedy: bool = False,
         temperature: float | None = None,
     ) -> list[TurnOutput]: ...
+
+    def end_run(self) -> None:
+        """Free what was kept for the run's later turns (default: nothing kept)."""
 
 
 def cut_at_stop(ids: list[int], tokenizer: Any, stop: Sequence[str]) -> int:
@@ -107,7 +119,11 @@ def _left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
 class EngineTurnGenerator:
     """One turn per request through a rollout engine; see the module docstring.
 
-    ``max_tokens_per_turn`` (> 0) caps every turn; ``stop`` strings end a turn early.
+    ``max_tokens_per_turn`` (> 0) caps every turn; ``stop`` strings end a turn early;
+    ``keep_kv_cache`` keeps each sample's KV between turns where the engine allows it
+    (``turn_cache`` is then a ``TurnKVCache``, else None). ``run_stats["prefill_tokens"]``
+    sums the engine's ``last_stats["prefill_tokens"]`` over the current run's calls (None when
+    the engine does not report them); ``end_run`` moves it to ``last_run_stats``.
     """
 
     def __init__(
@@ -117,6 +133,7 @@ class EngineTurnGenerator:
         *,
         max_tokens_per_turn: int = 0,
         stop: Sequence[str] = (),
+        keep_kv_cache: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -124,7 +141,13 @@ class EngineTurnGenerator:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.turn_engine = engine
+        self.turn_cache: TurnKVCache | None = None
+        self.run_stats: dict[str, float | None] = {"prefill_tokens": 0.0}
+        self.last_run_stats: dict[str, float | None] = {}
         if isinstance(engine, HFRolloutEngine):
+            own_generate = type(engine).generate is HFRolloutEngine.generate
+            if keep_kv_cache and own_generate and engine.keeps_turn_kv():
+                self.turn_cache = TurnKVCache()
             eos = [int(t) for t in engine.eos_token_ids.tolist()]
             self.eos_token_ids = eos
             cap = engine.cfg.max_response_length
@@ -152,7 +175,15 @@ class EngineTurnGenerator:
         prompts = _left_padded([r.ids for r in requests], self.pad_token_id)
         if all(r.seed is not None for r in requests):
             prompts["sample_seed"] = torch.tensor([r.seed for r in requests], dtype=torch.long)
-        out = self.turn_engine.generate(prompts, greedy=greedy, temperature=temperature)
+        if self.turn_cache is not None:
+            keys = [r.sample if r.sample >= 0 else None for r in requests]
+            self.turn_cache.retain(keys)
+            out = self.turn_engine.generate_with_turn_cache(
+                prompts, keys, self.turn_cache, greedy=greedy, temperature=temperature
+            )
+        else:
+            out = self.turn_engine.generate(prompts, greedy=greedy, temperature=temperature)
+        self._count(getattr(self.turn_engine, "last_stats", None) or {})
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].cpu(), out["rollout_log_probs"].cpu().float()
         results = []
@@ -162,3 +193,16 @@ class EngineTurnGenerator:
             n = cut_at_stop(ids, self.tokenizer, self.stop)
             results.append(TurnOutput(ids[:n], log_probs[i, :n].tolist()))
         return results
+
+    def _count(self, engine_stats: dict[str, float]) -> None:
+        prefill, total = engine_stats.get("prefill_tokens"), self.run_stats["prefill_tokens"]
+        self.run_stats["prefill_tokens"] = (
+            None if prefill is None or total is None else total + float(prefill)
+        )
+
+    def end_run(self) -> None:
+        """Free the kept KV caches and close the run's counts into ``last_run_stats``."""
+        if self.turn_cache is not None:
+            self.turn_cache.clear()
+        self.last_run_stats = self.run_stats
+        self.run_stats = {"prefill_tokens": 0.0}

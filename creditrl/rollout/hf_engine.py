@@ -14,6 +14,10 @@ Per micro-batch of ``cfg.micro_batch_size`` trajectories:
 3. a row leaves the running batch (KV cache, mask, positions) at the step it samples EOS or
    reaches ``max_response_length``, so no forward pass is spent on finished rows.
 
+``generate_with_turn_cache`` is the agent loop's variant: step 1 continues each row's KV kept
+from its previous turn, prefilling only the tokens appended since, and step 3 keeps each
+row's KV before it leaves (``creditrl.rollout.turn_cache``).
+
 Two CPU measures, measured in ``benchmarks/bench_rollout.py`` (2 cores, SmolLM2-135M, 16 x 96
 tokens): the DynamicCache's full-attention layers are ``PreallocatedLayer`` (keys/values
 written in place into a buffer sized for prompt + response, instead of ``torch.cat`` of the
@@ -26,10 +30,11 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +45,9 @@ from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
+
+if TYPE_CHECKING:
+    from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
 
 __all__ = [
     "SMALL_BATCH_ROWS",
@@ -54,6 +62,7 @@ __all__ = [
 ]
 
 _PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
+_STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_rows", "decode_steps")
 
 # float32 CPU nn.Linear calls on at most this many rows use the (W @ x^T)^T layout; 0: never.
 SMALL_BATCH_ROWS = 8
@@ -243,8 +252,10 @@ class HFRolloutEngine(RolloutEngine):
     the same tokens (up to float rounding of batch-size dependent kernels).
 
     ``last_stats`` describes the latest generate(): ``prefill_s``, ``decode_s`` (seconds),
-    ``prefill_rows`` (distinct prompts prefilled), ``decode_rows`` (rows summed over decode
-    forwards), ``decode_steps`` and ``response_tokens`` (valid tokens generated).
+    ``prefill_rows`` (distinct prompts prefilled), ``prefill_tokens`` (their real tokens, the
+    positions pushed through prefill forwards, padding not counted), ``decode_rows`` (rows
+    summed over decode forwards), ``decode_steps`` and ``response_tokens`` (valid tokens
+    generated).
     """
 
     samples_with_actor_module = True
@@ -316,22 +327,58 @@ class HFRolloutEngine(RolloutEngine):
         rollout_log_probs as described in ``creditrl.batch.FIELDS``; T is the longest
         response. ``seed`` re-seeds the engine's generator first.
         """
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        return self._sample(prompts, greedy, temperature)
+
+    def generate_with_turn_cache(
+        self,
+        prompts: Batch,
+        keys: Sequence[Hashable | None],
+        turn_cache: TurnKVCache,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> Batch:
+        """``generate`` for agent turns: row i continues the KV ``turn_cache`` holds for
+        ``keys[i]`` (its common prefix with the row's ids; None: no cache) and its KV is left
+        there when it finishes (``creditrl.rollout.turn_cache``). The sampling is generate()'s:
+        the same micro-batches, draws and settings, so only float rounding differs."""
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} cache keys for {len(prompts)} prompt rows")
+        return self._sample(prompts, greedy, temperature, list(keys), turn_cache)
+
+    def keeps_turn_kv(self) -> bool:
+        """Whether every cache layer of the model is a full-attention ``PreallocatedLayer``:
+        then a turn's KV can be kept and continued (``generate_with_turn_cache``)."""
+        cache = preallocated_cache(self.model, 1)
+        return bool(cache.layers) and all(type(x) is PreallocatedLayer for x in cache.layers)
+
+    def _sample(
+        self,
+        prompts: Batch,
+        greedy: bool,
+        temperature: float | None,
+        keys: list[Hashable | None] | None = None,
+        turn_cache: TurnKVCache | None = None,
+    ) -> Batch:
         params = self.sampling_params(greedy=greedy, temperature=temperature)
         ids, mask, positions = _prompt_tensors(prompts, self.model.device)
         seeds = prompts.get("sample_seed")
-        if seed is not None:
-            self.generator.manual_seed(seed)
         size = self.cfg.micro_batch_size
         parts = []
-        self.last_stats = dict.fromkeys(
-            ("prefill_s", "decode_s", "prefill_rows", "decode_rows", "decode_steps"), 0.0
-        )
+        self.last_stats = dict.fromkeys(_STATS, 0.0)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode(), weight_major_linears(self.model):
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
+                    plan = None
+                    if turn_cache is not None and keys is not None:
+                        real = mask[rows].bool()
+                        contexts = [ids[rows][i][real[i]].tolist() for i in range(len(real))]
+                        plan = turn_cache.take(contexts, keys[rows])
                     parts.append(
                         self._generate_micro_batch(
                             ids[rows],
@@ -339,6 +386,7 @@ class HFRolloutEngine(RolloutEngine):
                             positions[rows],
                             params,
                             None if seeds is None else seeds[rows],
+                            plan,
                         )
                     )
         finally:
@@ -371,6 +419,7 @@ class HFRolloutEngine(RolloutEngine):
         cache = preallocated_cache(self.model, ids.shape[1] + max_new)
         logits = self._forward(ids[firsts], mask[firsts], positions[firsts], cache, last_only=True)
         self.last_stats["prefill_rows"] += len(firsts)
+        self.last_stats["prefill_tokens"] += float(mask[firsts].sum())
         if not torch.equal(inverse, torch.arange(m, device=device)):  # expand and restore order
             cache.batch_select_indices(inverse)
             logits = logits[inverse]
@@ -383,21 +432,33 @@ class HFRolloutEngine(RolloutEngine):
         positions: torch.Tensor,
         params: SamplingParams,
         seeds: torch.Tensor | None = None,
+        turns: TurnPrefill | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch; with
-        ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed."""
+        ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed. With
+        ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
+        finishes (``creditrl.rollout.turn_cache``)."""
         m, device, max_new = len(ids), ids.device, params.max_new_tokens
-        first_real = int((mask.sum(0) > 0).long().argmax())
-        ids, mask, positions = ids[:, first_real:], mask[:, first_real:], positions[:, first_real:]
         stats, start = self.last_stats, time.perf_counter()
-        cache, logits = self._prefill(ids, mask, positions, max_new)
+        if turns is None:
+            first_real = int((mask.sum(0) > 0).long().argmax())
+            ids, mask = ids[:, first_real:], mask[:, first_real:]
+            positions = positions[:, first_real:]
+            cache, logits = self._prefill(ids, mask, positions, max_new)
+            next_position = positions[:, -1] + 1
+        else:
+            new_cache = partial(preallocated_cache, self.model)
+            cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
+                device, self._forward, new_cache, max_new, self.pad_token_id
+            )
+            stats["prefill_rows"] += prefilled_rows
+            stats["prefill_tokens"] += prefilled
 
         responses = torch.full((m, max_new), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros((m, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((m,), max_new, dtype=torch.long, device=device)
         rows = torch.arange(m, device=device)  # micro-batch row of each running row
         alive = torch.ones(m, dtype=torch.bool, device=device)  # naive loop: rows still unfinished
-        next_position = positions[:, -1] + 1
         decode_start = time.perf_counter()
         stats["prefill_s"] += decode_start - start
         for step in range(max_new):
@@ -420,7 +481,13 @@ class HFRolloutEngine(RolloutEngine):
             finished = torch.isin(tokens, self.eos_token_ids) & alive
             lengths[rows[finished]] = step + 1
             alive &= ~finished
-            if step + 1 == max_new or not bool(alive.any()):
+            last = step + 1 == max_new or not bool(alive.any())
+            if turns is not None:  # keep KV before rows leave; a turn's last token is not fed
+                done = (finished | alive) if last else finished
+                if bool(done.any()):
+                    at = done.nonzero().squeeze(1)
+                    turns.keep(rows[at], at, step, cache, mask, responses)
+            if last:
                 break
             if self.remove_finished and not bool(alive.all()):
                 keep = alive.nonzero().squeeze(1)

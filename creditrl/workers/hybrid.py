@@ -47,7 +47,11 @@ from creditrl.workers.critic import CriticWorker
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
 
-__all__ = ["ADDITIVE_METRICS", "ROLES", "HybridWorker"]
+__all__ = ["ADDITIVE_METRICS", "PREFILL_FIELD", "ROLES", "HybridWorker"]
+
+# (B,) int64 field of generate()'s answer: the tokens this rank's rollout prefilled, on the
+# rank's first row (0 on the others), so the sum over the concatenated ranks is the total.
+PREFILL_FIELD = "rollout_prefill_tokens"
 
 # Update metrics that are sums over the samples of a mini-batch (losses divided by global
 # counts, share-weighted fractions): summed over ranks. The rest (grad norm, lr) are equal
@@ -246,12 +250,19 @@ class HybridWorker:
         """Sample one response per prompt row (``creditrl.rollout.RolloutEngine.generate``;
         ``seed`` re-seeds the engine's generator first). The engine is woken for it and put
         to sleep after, giving its accelerator memory back to training (no-ops for engines
-        that never sleep)."""
+        that never sleep). When the rollout reports ``last_stats["prefill_tokens"]`` (the HF
+        engine and the agent loop over it do), the answer carries it in ``PREFILL_FIELD``."""
         self.engine.wake_up()
         try:
-            return self.rollout.generate(prompts, greedy=greedy, temperature=temperature, seed=seed)
+            out = self.rollout.generate(prompts, greedy=greedy, temperature=temperature, seed=seed)
         finally:
             self.engine.sleep()
+        prefill = (getattr(self.rollout, "last_stats", None) or {}).get("prefill_tokens")
+        if prefill is not None and len(out):
+            counts = torch.zeros(len(out), dtype=torch.long)
+            counts[0] = int(prefill)
+            out[PREFILL_FIELD] = counts
+        return out
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``old_log_probs`` and ``entropys`` under the actor."""
