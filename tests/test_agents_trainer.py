@@ -98,6 +98,9 @@ def test_two_step_multiturn_grpo_on_the_tiny_model(tmp_path: Path) -> None:
     assert abs(step["health/first_minibatch_ppo_kl"]) < 1e-5
     assert step["health/first_minibatch_alarm"] == 0
     assert "val/calc_multiturn/score" in step and "reward/turn_reward_mean" in step
+    for key in ("agent/called_tool", "agent/tool_then_correct"):  # training and validation
+        assert 0.0 <= step[key] <= 1.0 and 0.0 <= step[f"val/{key}"] <= 1.0, key
+    assert step["val/agent/tool_then_correct"] <= step["val/agent/called_tool"]
 
     dump = [json.loads(line) for line in (out / "rollouts" / "step_000002.jsonl").open()]
     extra = dump[1]["reward_extra"]

@@ -40,6 +40,7 @@ RUN = [
     "data.train_size=8",
     "data.val_size=0",
     "data.max_prompt_length=128",
+    "data.few_shot=0",
     "rollout.max_response_length=8",
     "reward.num_workers=0",
     "trainer.rollout_dump_rows=0",

@@ -190,7 +190,7 @@ def test_ray_keys_are_not_called_unused_with_the_ray_launcher() -> None:
 def async_args(out: Path, address: str, *extra: str) -> list[str]:
     return [
         "async", f"model.path={tiny_model_dir()}", "data.train_size=8", "data.val_size=0",
-        "data.max_prompt_length=128", "data.train_batch_size=1", "rollout.n=2",
+        "data.max_prompt_length=128", "data.few_shot=0", "data.train_batch_size=1", "rollout.n=2",
         "rollout.max_response_length=8", "actor.ppo_mini_batch_size=1", "reward.num_workers=0",
         "trainer.total_steps=2", "trainer.logger=[jsonl]", f"trainer.output_dir={out}",
         "asynchronous.port=0", "asynchronous.launcher=ray", f"trainer.ray.address={address}",

@@ -16,6 +16,12 @@ A data_source without a structured scorer uses its ordinary rule scorer
 (``creditrl.rewards.get_scorer``) on the decoded policy tokens, as one global reward ``score``.
 Scoring runs in this process (the scorers are cheap string functions); a scorer that raises
 gives ``reward.fallback_score`` as a global reward, with status ``error`` and the message.
+
+Tool-use outcome metrics (``tool_use_metrics``; per-sample values in the rollout dump too):
+``agent/called_tool``, the share of trajectories with at least one successful tool call
+(status ``ok``), and ``agent/tool_then_correct``, the share that made one and whose final
+answer is correct (the scorer's ``_raw_exact_match`` global is 1; logged only when a scorer
+reports it).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "add_trajectory_scores",
     "register_structured_scorer",
     "structured_scorer_for",
+    "tool_use_metrics",
     "trajectory_scores",
 ]
 
@@ -78,6 +85,28 @@ def structured_scorer_for(data_source: str) -> StructuredScorer | None:
         if name in STRUCTURED_SCORERS:
             return STRUCTURED_SCORERS[name]
     return None
+
+
+def _called_tool(calls: Any) -> bool:
+    return any(str(c.get("status")) == "ok" for c in calls or [])
+
+
+def tool_use_metrics(
+    tool_calls: list[Any], global_rewards: list[Mapping[str, float]]
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(``agent/called_tool`` and ``agent/tool_then_correct`` batch shares, their per-sample
+    0/1 values) from each trajectory's tool-call records and global rewards; see the module
+    doc. ``tool_then_correct`` is left out when no sample reports ``_raw_exact_match``."""
+    size = max(len(tool_calls), 1)
+    called = [float(_called_tool(calls)) for calls in tool_calls]
+    metrics = {"agent/called_tool": sum(called) / size}
+    per_sample = {"called_tool": called}
+    if any("_raw_exact_match" in g for g in global_rewards):
+        correct = [float(g.get("_raw_exact_match", 0.0) >= 1.0) for g in global_rewards]
+        both = [c * e for c, e in zip(called, correct, strict=True)]
+        metrics["agent/tool_then_correct"] = sum(both) / size
+        per_sample["tool_then_correct"] = both
+    return metrics, per_sample
 
 
 def trajectory_scores(returns: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -252,6 +281,10 @@ class StructuredRewardManager:
         for name in names:
             values = [v for v in extra[name] if v is not None]
             metrics[f"reward/{name}_mean"] = sum(values) / len(values)
+        if "tool_calls" in batch:
+            tool_metrics, per_sample = tool_use_metrics(list(batch["tool_calls"]), global_rewards)
+            metrics.update(tool_metrics)
+            extra.update(per_sample)
         structured = [
             {"turn_rewards": t, "global_rewards": g, "total_score": float(s)}
             for t, g, s in zip(turn_rewards, global_rewards, totals.tolist(), strict=True)

@@ -9,9 +9,15 @@
 
 The system prompt lists the tools' OpenAI schemas inside ``<tools></tools>`` and shows the
 ``<tool_call>`` format (Hermes style), since not every chat template renders tools itself.
-A worked example exchange (call, tool result, answer) precedes the question unless
-``data.task_kwargs.few_shot=false``: SmolLM2-135M ignores tools described in words alone
-(0 calls in 16 samples) but imitates one example (7 calls in 16, measured).
+Worked example exchanges (call, tool result, answer) precede the question:
+``data.task_kwargs.few_shot`` is how many (``true`` = 1, ``false`` = 0; the calculator has
+``len(CALC_SHOTS)`` = 2, KGQA one). Measured on SmolLM2-135M, 16 validation questions: with
+the tools described in words alone, or an example written into the system prompt's text, or
+one calculator example, greedy decoding never calls the calculator (sampled at 0.7: 1 of 16
+with one example); after two examples, greedy calls it for 9 and answers all 9 correctly.
+Training fixes the one-example case quickly: ``preset=calculator_agent`` (one example) went
+from validation 0.24 to 1.45 (every question: a call, then the right answer) by step 6, its
+``agent/tool_then_correct`` 0, 0.44, 0.94 over steps 1-3.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from creditrl.tools import ToolRegistry, build_registry
 __all__ = [
     "AGENT_TASKS",
     "CALC_SHOT",
+    "CALC_SHOTS",
     "DATA_DIR",
     "KGQA_QUESTIONS",
     "KGQA_SHOT",
     "build_agent_datasets",
     "calc_rows",
+    "calc_shots",
     "kgqa_rows",
     "tool_system_prompt",
 ]
@@ -73,6 +81,16 @@ CALC_SHOT = _shot(
     "56",
     "56",
 )
+CALC_SHOTS = (
+    _shot(
+        "What is 312 - 45 + 7?",
+        '{"name": "calculator", "arguments": {"expression": "312 - 45 + 7"}}',
+        "274",
+        "274",
+    ),
+    CALC_SHOT,
+)
+"""The calculator's worked examples, in the order shown: ``few_shot: n`` shows the last n."""
 KGQA_SHOT = _shot(
     "What is the capital of France?",
     '{"name": "kg_lookup", "arguments": {"entity": "France", "relation": "capital"}}',
@@ -86,14 +104,24 @@ def _messages(system: str, shot: list[dict[str, str]], question: str) -> list[di
     return [{"role": "system", "content": system}, *shot, {"role": "user", "content": question}]
 
 
+def calc_shots(few_shot: bool | int) -> list[dict[str, str]]:
+    """The messages of the last ``few_shot`` calculator examples (true = 1, false = 0)."""
+    count = int(few_shot)
+    if not 0 <= count <= len(CALC_SHOTS):
+        raise ValueError(
+            f"few_shot must be 0..{len(CALC_SHOTS)} for calc_multiturn, got {few_shot}"
+        )
+    return [m for shot in CALC_SHOTS[len(CALC_SHOTS) - count :] for m in shot]
+
+
 def calc_rows(
     kwargs: dict[str, Any], train_size: int, val_size: int, seed: int, system_prompt: str
 ) -> tuple[list[PromptRow], list[PromptRow]]:
-    """chain_sum rows re-labelled ``calc_multiturn``: the tool system prompt, a worked example
-    (``CALC_SHOT``; ``few_shot: false`` in ``kwargs`` leaves it out) and the question as
-    "What is a + b - c?"."""
+    """chain_sum rows re-labelled ``calc_multiturn``: the tool system prompt, worked examples
+    (``few_shot`` in ``kwargs``: how many of ``CALC_SHOTS``, the last ones, ``CALC_SHOT`` last;
+    true = 1, false = 0) and the question as "What is a + b - c?"."""
     kwargs = dict(kwargs)
-    shot = CALC_SHOT if kwargs.pop("few_shot", True) else []
+    shot = calc_shots(kwargs.pop("few_shot", True))
     rows = build_task_rows("chain_sum", kwargs, train_size, val_size, seed, system_prompt)
     out = []
     for split in (rows.train, rows.val):

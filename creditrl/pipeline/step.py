@@ -222,13 +222,16 @@ class StepPipeline:
     def validate(self, rows: Sequence[Any]) -> dict[str, float]:
         """Greedy (or ``val_temperature``) responses to ``rows``: val/score, val/<source>/score
         (mean@1), val/<source>/pass@k when ``val_n`` > 1, and val/<source>/strict_accuracy
-        when the scorer reports ``answer_score`` and ``format_score`` (tagged and correct)."""
+        when the scorer reports ``answer_score`` and ``format_score`` (tagged and correct);
+        val/agent/* the reward's per-sample agent metrics (e.g. agent/tool_then_correct)
+        averaged over the validation samples."""
         if not rows:
             return {}
         cfg = self.cfg.rollout
         chunk_size = max(cfg.micro_batch_size // max(cfg.val_n, 1), 1)
         scores: dict[str, list[float]] = {}
         strict: dict[str, list[float]] = {}
+        agent: dict[str, float] = {}  # agent/* reward metrics x samples, summed over chunks
         for start in range(0, len(rows), chunk_size):
             prompts = collate_prompts(
                 list(rows[start : start + chunk_size]), self.tokenizer.pad_token_id
@@ -237,6 +240,9 @@ class StepPipeline:
                 prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
             )
             result = self.reward(batch)
+            for key, value in getattr(result, "metrics", {}).items():
+                if key.startswith("agent/"):
+                    agent[key] = agent.get(key, 0.0) + value * len(batch)
             sources = list(batch["data_source"])
             for i, score in enumerate(result.scores.tolist()):
                 scores.setdefault(sources[i], []).append(score)
@@ -256,4 +262,6 @@ class StepPipeline:
             out[f"val/{source}/strict_accuracy"] = float(np.mean(values))
         if strict:
             out["val/strict_accuracy"] = float(np.mean([v for vs in strict.values() for v in vs]))
+        total = sum(len(vs) for vs in scores.values())
+        out.update({f"val/{key}": value / total for key, value in agent.items()})
         return out
