@@ -14,9 +14,9 @@ def tokenizer():
     return load_tokenizer(tiny_model_dir())
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    config = LlamaConfig(
+def tiny_llama_config() -> LlamaConfig:
+    """The tiny random Llama of the tests: the real tokenizer's vocabulary, 2 layers."""
+    return LlamaConfig(
         vocab_size=49152,
         hidden_size=32,
         intermediate_size=64,
@@ -28,5 +28,10 @@ def model() -> LlamaForCausalLM:
         eos_token_id=2,
         pad_token_id=2,
     )
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    config = tiny_llama_config()
     torch.manual_seed(0)
     return LlamaForCausalLM(config).float().eval()

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from creditrl.agents.rollout import AgentRollout
 from creditrl.batch import Batch
@@ -72,18 +73,7 @@ class BigramForcedLlama(LlamaForCausalLM):
 
 
 def forced_model(bias: float) -> BigramForcedLlama:
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    config = tiny_llama_config()
     torch.manual_seed(0)
     model = BigramForcedLlama(config).float().eval()
     model.follow = torch.zeros((config.vocab_size, 2), dtype=torch.long)
