@@ -208,6 +208,8 @@ class ActorConfig:
     """Tokens per micro-batch forward when use_dynamic_bsz."""
     use_remove_padding: bool = False
     """Pack each micro-batch's real tokens into one row (no compute on padding)."""
+    shared_prefix: str = "auto"
+    """Compute each distinct token prefix of a micro-batch once (always | never | auto: on CPU)."""
 
 
 @dataclass

@@ -63,6 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.optim.lr_scheduler": ("constant", "cosine"),  # workers.optim
     "critic.optim.lr_scheduler": ("constant", "cosine"),
     "actor.autocast": ("auto", "bf16", "none"),
+    "actor.shared_prefix": ("auto", "always", "never"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.filter_groups.metric": ("score",),
     "trainer.backend": ("local", "ray"),  # controller

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 
 import torch
 
@@ -23,6 +24,11 @@ from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_policy_forward
 from creditrl.workers.precision import resolve_autocast
+from creditrl.workers.prefix_tree import (
+    group_by_prompt,
+    prefix_tree_policy_forward,
+    resolve_shared_prefix,
+)
 
 __all__ = ["ActorWorker", "policy_loss_config"]
 
@@ -47,7 +53,9 @@ class ActorWorker:
     counts (core ``global_normalisers``) and are summed, so the accumulated gradient equals
     the mini-batch's full gradient for every aggregation mode. Micro-batches hold a fixed
     number of trajectories, or fit ``max_token_len_per_device`` tokens (``use_dynamic_bsz``);
-    ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``).
+    ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``);
+    ``shared_prefix`` computes each distinct token prefix of a micro-batch once
+    (``workers.prefix_tree``), with the rows of one prompt in the same micro-batches.
     """
 
     def __init__(
@@ -75,7 +83,11 @@ class ActorWorker:
             raise ValueError(
                 f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
             )
-        self._forward = packed_policy_forward if cfg.use_remove_padding else policy_forward
+        forward = packed_policy_forward if cfg.use_remove_padding else policy_forward
+        self.shared_prefix = resolve_shared_prefix(cfg.shared_prefix, model)
+        if self.shared_prefix:
+            forward = partial(prefix_tree_policy_forward, fallback=forward)
+        self._forward = forward
 
     def _micro_batches(self, batch: Batch, size: int) -> list[torch.Tensor]:
         """Row indices of each micro-batch: ``size`` trajectories, or a token budget."""
@@ -159,6 +171,8 @@ class ActorWorker:
         with ``rollout_log_probs`` when the old log-probs are the rollout's own
         (``rollout_corr/*``)."""
         cfg = self.cfg
+        if self.shared_prefix:
+            mini = mini[group_by_prompt(mini)]
         mask = mini["loss_mask"] if "loss_mask" in mini else mini["response_mask"]
         compare = (
             first

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from creditrl.config import OptimConfig
 
-__all__ = ["build_optimizer", "lr_factor"]
+__all__ = ["build_optimizer", "implementation", "lr_factor"]
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
@@ -28,6 +29,17 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     raise ValueError(f"unknown lr_scheduler {cfg.lr_scheduler!r}; choose 'constant' or 'cosine'")
 
 
+def implementation(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """AdamW's kernel choice: ``fused`` for plain CPU tensors (one step over SmolLM2-135M's
+    parameters took 0.10 s fused against 0.6-0.9 s foreach on the 2-core dev box; same update
+    to float rounding, ``tests/test_workers.py``), else ``foreach`` (sharded DTensors, GPUs)."""
+    plain_cpu = all(
+        p.device.type == "cpu" and not isinstance(p.data, DTensor) and p.dtype.is_floating_point
+        for p in params
+    )
+    return {"fused": True} if plain_cpu else {"foreach": True}
+
+
 def build_optimizer(
     params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -36,7 +48,11 @@ def build_optimizer(
     if not trainable:
         raise ValueError("the model has no trainable parameters")
     optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True
+        trainable,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        weight_decay=cfg.weight_decay,
+        **implementation(trainable),
     )
     lr_factor(0, total_steps, cfg)  # validate the schedule name now, not at step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(

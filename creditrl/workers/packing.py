@@ -85,7 +85,8 @@ def pack(batch: Batch) -> PackedSequences:
 
 
 def unpack(flat: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
-    """(M,) per-response-token values to (B, T), 0 on padding columns; differentiable."""
+    """(M,) per-response-token values to (B, T), 0 on padding columns; differentiable. Reads
+    only ``packed.response_valid`` (a ``prefix_tree.PrefixTree`` has it too)."""
     out = flat.new_zeros(packed.response_valid.shape)
     return out.index_put((packed.response_valid,), flat)
 

@@ -1,0 +1,215 @@
+"""Shared-prefix forward (``actor.shared_prefix``): each distinct token prefix of a micro-batch
+is computed once, with gradients.
+
+GRPO samples n responses per prompt, and prompts often share a long head (system prompt,
+worked example), so most of a micro-batch's tokens repeat. In a causal LM the output at a
+token depends only on the tokens up to it, so two rows that agree on tokens 0..k have the
+same hidden states there. The rows' real tokens (``packing.pack``) are merged into a token
+trie: one node per distinct prefix, holding its last token at ``position_ids`` = depth. All
+nodes run as one row whose 4-D attention mask lets node a see node b iff b is a or an
+ancestor of a: exactly the causal context each token has in its own row. Response token j
+of row i reads its logits at the node of the prefix before it (the row's path node at depth
+p_i + j - 1), so log-probs, entropies and, through autograd (a shared node's gradient is
+the sum over the rows that read it), the gradients equal the padded forward's up to float
+rounding (``tests/test_prefix_tree.py`` pins both).
+
+The mask is dense (N x N booleans for N nodes), so the tree is used only where it pays:
+at most ``MAX_NODES`` nodes and at least ``MIN_SAVING`` of the tokens saved; otherwise the
+caller's own forward runs. The model must pass ``position_ids`` and a 4-D mask through to
+its attention ('sdpa': boolean, True = attend; 'eager': additive float), with every layer
+attending to the full context (no sliding window); ``supports_prefix_tree`` checks this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from creditrl.batch import Batch
+from creditrl.core import entropy_from_logits, log_probs_from_logits
+from creditrl.workers.packing import pack, unpack
+
+__all__ = [
+    "MAX_NODES",
+    "MIN_SAVING",
+    "SHARED_PREFIX_CHOICES",
+    "PrefixTree",
+    "build_prefix_tree",
+    "group_by_prompt",
+    "prefix_tree_policy_forward",
+    "resolve_shared_prefix",
+    "supports_prefix_tree",
+]
+
+SHARED_PREFIX_CHOICES = ("auto", "always", "never")
+MAX_NODES = 4096  # the mask is MAX_NODES^2 booleans (16 MiB)
+MIN_SAVING = 0.1  # use the tree when it removes at least this share of the tokens
+_MASKED_KERNELS = ("sdpa", "eager")
+
+
+@dataclass
+class PrefixTree:
+    """The trie of one micro-batch and the map from its nodes back to the response layout."""
+
+    input_ids: torch.Tensor  # (1, N) each node's token
+    position_ids: torch.Tensor  # (1, N) each node's depth
+    ancestors: torch.Tensor  # (N, N) bool: [a, b] iff b is a or an ancestor of a
+    logit_nodes: torch.Tensor  # (K,) distinct nodes whose output predicts a response token
+    logit_index: torch.Tensor  # (M,) for each real response token, its row in logit_nodes
+    labels: torch.Tensor  # (M,) those response tokens, row by row
+    response_valid: torch.Tensor  # (B, T) bool, True on the M real response columns
+    tokens: int  # real tokens of the micro-batch (N of them are computed)
+
+    @property
+    def nodes(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def build_prefix_tree(batch: Batch, only_if_it_pays: bool = False) -> PrefixTree | None:
+    """The token trie of ``batch``'s rows (validated as ``packing.pack`` does); None, before
+    the mask is built, when ``only_if_it_pays`` and the tree would not (``MAX_NODES``,
+    ``MIN_SAVING``)."""
+    packed = pack(batch)
+    lengths = batch["attention_mask"].bool().sum(-1).tolist()
+    flat = packed.input_ids[0].tolist()
+    children: dict[tuple[int, int], int] = {}
+    node_token: list[int] = []
+    node_depth: list[int] = []
+    paths: list[list[int]] = []
+    start = 0
+    for length in lengths:
+        parent, path = -1, []
+        for depth, token in enumerate(flat[start : start + length]):
+            node = children.get((parent, token))
+            if node is None:
+                node = children[(parent, token)] = len(node_token)
+                node_token.append(token)
+                node_depth.append(depth)
+            path.append(node)
+            parent = node
+        paths.append(path)
+        start += length
+    n = len(node_token)
+    if only_if_it_pays and not _pays(n, len(flat)):
+        return None
+    device = packed.input_ids.device
+    ancestors = torch.zeros(n, n, dtype=torch.bool, device=device)
+    for path in paths:
+        ids = torch.tensor(path, device=device)
+        rows, cols = torch.tril_indices(len(path), len(path), device=device)
+        ancestors[ids[rows], ids[cols]] = True
+    # packed position -> node; logit_positions are packed positions of the prefix's last token
+    node_of = torch.tensor([node for path in paths for node in path], device=device)
+    before = node_of[packed.logit_positions]
+    logit_nodes, logit_index = torch.unique(before, sorted=True, return_inverse=True)
+    return PrefixTree(
+        input_ids=torch.tensor([node_token], dtype=packed.input_ids.dtype, device=device),
+        position_ids=torch.tensor([node_depth], dtype=packed.position_ids.dtype, device=device),
+        ancestors=ancestors,
+        logit_nodes=logit_nodes,
+        logit_index=logit_index,
+        labels=packed.labels,
+        response_valid=packed.response_valid,
+        tokens=len(flat),
+    )
+
+
+def _attention_mask(tree: PrefixTree, kernel: str, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, N, N): boolean for sdpa, additive (0 / dtype min) for eager."""
+    mask = tree.ancestors[None, None]
+    if kernel == "sdpa":
+        return mask
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _pays(nodes: int, tokens: int) -> bool:
+    return nodes <= MAX_NODES and nodes <= (1.0 - MIN_SAVING) * tokens
+
+
+def prefix_tree_policy_forward(
+    model: torch.nn.Module,
+    batch: Batch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    *,
+    fallback: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``policy_forward`` over the micro-batch's prefix tree: log pi(y_t | s_t) (B, T) and the
+    entropy (B, T) when asked (no gradient when ``entropy_grad`` is False); 0 on padding
+    columns. Runs ``fallback`` (same arguments) where the tree does not pay."""
+    tree = build_prefix_tree(batch, only_if_it_pays=True)
+    if tree is None:
+        return fallback(model, batch, temperature, with_entropy, entropy_grad)
+    kernel = model.config._attn_implementation
+    dtype = next(model.parameters()).dtype
+    out = model(
+        input_ids=tree.input_ids,
+        attention_mask=_attention_mask(tree, kernel, dtype),
+        position_ids=tree.position_ids,
+        use_cache=False,
+        logits_to_keep=tree.logit_nodes,
+    )
+    logits = out.logits[0]
+    if temperature != 1.0:
+        logits = logits / temperature
+    per_token = logits[tree.logit_index]
+    log_probs = unpack(log_probs_from_logits(per_token, tree.labels), tree)
+    entropy = None
+    if with_entropy and entropy_grad:
+        entropy = unpack(entropy_from_logits(per_token), tree)
+    elif with_entropy:
+        with torch.no_grad():
+            entropy = unpack(entropy_from_logits(per_token.detach()), tree)
+    return log_probs, entropy
+
+
+def group_by_prompt(batch: Batch) -> torch.Tensor:
+    """Row order that puts rows with the same prompt tokens next to each other (stable), so
+    fixed-size micro-batches share whole prompts; which rows share a micro-batch changes no
+    result (``micro_batches``)."""
+    prompt_len = batch["attention_mask"].shape[1] - batch["responses"].shape[1]
+    prompts = batch["input_ids"][:, :prompt_len] * batch["attention_mask"][:, :prompt_len]
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)
+    first_row = torch.full((int(group.max()) + 1,), len(group), dtype=torch.long)
+    first_row.scatter_reduce_(0, group, torch.arange(len(group)), reduce="amin")
+    return torch.argsort(first_row[group] * len(group) + torch.arange(len(group)))
+
+
+def supports_prefix_tree(model: torch.nn.Module) -> str | None:
+    """None when ``model`` can run the tree forward, else why not (one line)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no transformers config"
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel not in _MASKED_KERNELS:
+        return f"its attention implementation {kernel!r} is not one of {_MASKED_KERNELS}"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"]
+    if any(kind != "full_attention" for kind in layer_types):
+        return "it has layers that do not attend to the full context (e.g. a sliding window)"
+    return None
+
+
+def resolve_shared_prefix(setting: str, model: torch.nn.Module) -> bool:
+    """Whether the actor uses the tree forward: 'always' (ValueError if the model cannot),
+    'never', or 'auto': for CPU models that can (measured faster there: benchmarks/step_time.py;
+    unmeasured on GPUs, where the dense mask also rules out flash-attention kernels)."""
+    if setting not in SHARED_PREFIX_CHOICES:
+        raise ValueError(
+            f"actor.shared_prefix must be one of {SHARED_PREFIX_CHOICES}, got {setting!r}"
+        )
+    if setting == "never":
+        return False
+    reason = supports_prefix_tree(model)
+    if setting == "always":
+        if reason is not None:
+            raise ValueError(f"actor.shared_prefix=always cannot be used: {reason}")
+        return True
+    device = next(model.parameters()).device.type
+    return reason is None and device == "cpu"
