@@ -78,7 +78,7 @@ def teacher_forced(model: PreTrainedModel, out: Batch) -> torch.Tensor:
 
 
 def run_ours(model, tokenizer, prompts, repeats, reference=None, **options) -> Result:
-    cfg = RolloutConfig(max_response_length=MAX_NEW, micro_batch_size=64)
+    cfg = RolloutConfig(max_response_length=MAX_NEW, micro_batch_size=64, temperature=1.0)
     engine = HFRolloutEngine(model, tokenizer, cfg, **options)
     engine.generate(prompts[:2], seed=123)  # warm-up
     seconds, tokens, stats, errors = [], [], [], []

@@ -285,6 +285,24 @@ def test_inverse_cdf_sample_never_picks_zero_probability_tokens():
     assert inverse_cdf_sample(unnormalised, torch.tensor([0.3])).tolist() == [2]
 
 
+def test_inverse_cdf_sample_across_blocks_matches_the_full_cdf():
+    """Two-level search (blocks of 256 tokens) against the one-level float64 CDF, on a vocab
+    of 700 (padded to 768) whose second block has no mass; uniforms at block boundaries."""
+    probs = torch.zeros(1, 700)
+    probs[0, 3], probs[0, 255], probs[0, 600], probs[0, 699] = 0.25, 0.25, 0.3, 0.2
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.4999, 0.5, 0.7999, 0.8, 1.0 - 2.0**-53])
+    rows = probs.repeat(len(uniforms), 1)
+    tokens, totals = inverse_cdf_sample(rows, uniforms, with_totals=True)
+    assert tokens.tolist() == [3, 3, 255, 255, 600, 600, 699, 699]
+    torch.testing.assert_close(totals, torch.ones(len(uniforms), dtype=torch.float64))
+    torch.manual_seed(0)
+    weights = torch.rand(64, 49152) ** 8
+    u = torch.rand(64, dtype=torch.float64)
+    cdf = weights.double().cumsum(-1)
+    full = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    assert torch.equal(inverse_cdf_sample(weights, u), full)
+
+
 # ---- CPU measures: preallocated KV cache, weight-major small-batch linears -------------------
 
 
@@ -309,7 +327,7 @@ def test_preallocated_cache_replaces_the_full_attention_layers(model):
     assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 64, 65])
 @pytest.mark.parametrize("out_features", [48, 8192])
 def test_weight_major_linears_give_the_linear_values(rows, out_features):
     torch.manual_seed(0)

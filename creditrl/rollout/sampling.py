@@ -6,10 +6,12 @@ The sampling distribution at one decode step, for a row of logits ``z`` (V,):
                           ->  top-p: keep the smallest head of the sorted distribution whose mass
                               reaches p (always at least the most likely token), others -inf
     π_sample = softmax(z'),  log_prob = log_softmax(z')[token]
+                                        = z'[token] - max z' - log sum_v exp(z'_v - max z')
 
-so filtered tokens have log-prob -inf and the kept ones are renormalised. This is what
-``rollout_log_probs`` records (float32). Greedy decoding takes ``argmax z`` and records
-``log_softmax(z)[argmax]``: the log-prob under the unscaled, unfiltered model distribution.
+(the normaliser's block sums added in float64), so filtered tokens have log-prob -inf and the
+kept ones are renormalised. This is what ``rollout_log_probs`` records (float32). Greedy
+decoding takes ``argmax z`` and records ``log_softmax(z)[argmax]``: the log-prob under the
+unscaled, unfiltered model distribution.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 __all__ = ["counter_uniforms", "filter_logits", "inverse_cdf_sample", "sample_next_tokens"]
 
 _MASK64 = (1 << 64) - 1
+_BLOCK = 256  # tokens per block of inverse_cdf_sample's two-level search
 
 
 def _to_signed(value: int) -> int:
@@ -74,17 +77,40 @@ def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> 
     return logits
 
 
-def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf_sample(
+    probs: torch.Tensor, uniforms: torch.Tensor, with_totals: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token i of each row of ``probs`` (N, V) such that cdf[i-1] <= u * cdf[-1] < cdf[i].
 
-    ``uniforms`` (N,) in [0, 1). The CDF is summed in float64, so a token's chance is its
-    probability to ~1e-15; a zero-probability token is never chosen. One uniform per row costs
-    a cumsum and a binary search, about 10x less than ``torch.multinomial`` over 49k tokens.
+    ``probs`` may be unnormalised (non-negative); ``uniforms`` (N,) in [0, 1). The search runs
+    in two levels over blocks of ``_BLOCK`` tokens: block masses are summed (in ``probs``'
+    dtype, no float64 copy of the N x V values), their float64 CDF picks a block, and the
+    float64 CDF inside that block, rescaled to the block's mass, picks the token. A token is
+    therefore drawn with probability (block mass / total) x (p_i / sum of its block): its
+    probability up to the rounding of one block sum (~1e-7 relative in float32); a
+    zero-probability token is never chosen. Measured on the 2-core dev box, 16 x 49k tokens: a
+    float64 cumsum of every token took ~7 ms a decode step, this ~1 ms; one uniform per row
+    costs about 10x less than ``torch.multinomial``. ``with_totals`` also returns the float64
+    row totals (N,) the draw used.
     """
-    cdf = probs.double().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(uniforms.double()[:, None] * total, total.nextafter(total.new_zeros(())))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    n, vocab = probs.shape
+    pad = (-vocab) % _BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = blocks.reshape(n, -1, _BLOCK)
+    mass = blocks.sum(-1).double()
+    block_cdf = mass.cumsum(-1)
+    total = block_cdf[:, -1:]
+    zero = total.new_zeros(())
+    target = torch.minimum(uniforms.double()[:, None] * total, total.nextafter(zero))
+    block = torch.searchsorted(block_cdf, target, right=True)
+    before = block_cdf.gather(-1, (block - 1).clamp(min=0)).masked_fill(block == 0, 0.0)
+    rows = torch.arange(n, device=probs.device)
+    inner = blocks[rows, block[:, 0]].double().cumsum(-1)
+    inner_total = inner[:, -1:]
+    rest = (target - before) / mass.gather(-1, block) * inner_total
+    rest = torch.minimum(rest, inner_total.nextafter(zero))
+    tokens = (block * _BLOCK + torch.searchsorted(inner, rest, right=True)).squeeze(-1)
+    return (tokens, total.squeeze(-1)) if with_totals else tokens
 
 
 def sample_next_tokens(
@@ -112,8 +138,11 @@ def sample_next_tokens(
     if temperature <= 0:
         raise ValueError(f"sampling needs temperature > 0, got {temperature} (use greedy=True)")
     scaled = logits / temperature if temperature != 1.0 else logits
-    log_probs = filter_logits(scaled, top_k, top_p).log_softmax(dim=-1)
+    filtered = filter_logits(scaled, top_k, top_p)
+    top = filtered.max(dim=-1, keepdim=True).values
+    weights = (filtered - top).exp()  # softmax(z') times its row's normaliser
     if uniforms is None:
         uniforms = torch.rand(len(logits), generator=generator, device=logits.device)
-    tokens = inverse_cdf_sample(log_probs.exp(), uniforms)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens, totals = inverse_cdf_sample(weights, uniforms, with_totals=True)
+    chosen = filtered.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
+    return tokens, (chosen.double() - totals.log()).float()
