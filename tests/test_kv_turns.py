@@ -30,7 +30,7 @@ from creditrl.config.schema import AgentConfig, RolloutConfig
 from creditrl.data import chat_prompt_ids, collate_prompts
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.pipeline.step import StepPipeline
-from creditrl.rollout import HFRolloutEngine
+from creditrl.rollout import HFRolloutEngine, hf_engine
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnRequest
 from creditrl.rollout.turn_cache import TurnKVCache, common_prefix_length
 from creditrl.workers.hybrid import PREFILL_FIELD, HybridWorker
@@ -67,7 +67,11 @@ class BigramForcedLlama(LlamaForCausalLM):
 
     def forward(self, input_ids=None, **kwargs):
         out = super().forward(input_ids=input_ids, **kwargs)
-        ids = input_ids[:, -out.logits.shape[1] :]
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, torch.Tensor):  # logits at these positions (a token trie's nodes)
+            ids = input_ids[:, keep]
+        else:
+            ids = input_ids[:, -out.logits.shape[1] :]
         out.logits.scatter_add_(-1, self.follow[ids], self.strength[ids].to(out.logits.dtype))
         return out
 
@@ -164,13 +168,15 @@ def expected_kept_prefill(requests: list[TurnRequest], rollout: AgentRollout, ta
 
 @pytest.mark.parametrize("greedy", [False, True])
 def test_kept_cache_samples_the_same_tokens_and_prefills_only_new_ones(
-    model, tokenizer, greedy
+    model, tokenizer, greedy, monkeypatch
 ) -> None:
     """Six prompts of different lengths (greedy: each twice, so identical samples share a
     prefill): the same ids and, to LOG_PROB_ATOL, log-probs with the cache kept as with
     re-prefilled contexts; each kept-cache turn after the first prefills exactly the previous
-    turn's last token and observation, the re-prefilled one the whole context; the cache
-    holds only the samples of the latest call and is freed at the end."""
+    turn's last token and observation, the re-prefilled one the whole context (prompts run
+    padded here, not as a token trie, so the count is exact); the cache holds only the samples
+    of the latest call and is freed at the end."""
+    monkeypatch.setattr(hf_engine, "TREE_PREFILL", False)
     kept, rollout, calls = agent_rollout(model, tokenizer, True, greedy=greedy, repeat=1 + greedy)
     fresh, fresh_rollout, fresh_calls = agent_rollout(
         model, tokenizer, False, greedy=greedy, repeat=1 + greedy

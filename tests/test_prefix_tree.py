@@ -10,13 +10,13 @@ from test_workers import make_batch
 from creditrl import Batch
 from creditrl.config import ActorConfig, OptimConfig
 from creditrl.config.loader import load_config
+from creditrl.models.token_tree import tree_unsupported
 from creditrl.workers import ActorWorker, policy_forward
 from creditrl.workers.prefix_tree import (
     build_prefix_tree,
     group_by_prompt,
     prefix_tree_policy_forward,
     resolve_shared_prefix,
-    supports_prefix_tree,
 )
 
 
@@ -145,13 +145,13 @@ def test_resolve_and_refusals() -> None:
     with pytest.raises(ValueError, match="must be one of"):
         resolve_shared_prefix("on", model)
     model.config._attn_implementation = "flash_attention_2"
-    assert "attention implementation" in supports_prefix_tree(model)
+    assert "attention implementation" in tree_unsupported(model)
     assert resolve_shared_prefix("auto", model) is False
     with pytest.raises(ValueError, match="shared_prefix=always cannot be used"):
         resolve_shared_prefix("always", model)
     model.config._attn_implementation = "sdpa"
     model.config.layer_types = ["full_attention", "sliding_attention"]
-    assert "sliding window" in supports_prefix_tree(model)
+    assert "sliding window" in tree_unsupported(model)
 
 
 def test_config_load_refuses_an_unknown_value() -> None:

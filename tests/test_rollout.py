@@ -9,7 +9,13 @@ import torch
 
 from creditrl import Batch
 from creditrl.config.schema import RolloutConfig
-from creditrl.rollout import HFRolloutEngine, eos_token_ids_of, filter_logits, sample_next_tokens
+from creditrl.rollout import (
+    HFRolloutEngine,
+    eos_token_ids_of,
+    filter_logits,
+    hf_engine,
+    sample_next_tokens,
+)
 from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
 from creditrl.rollout.sampling import inverse_cdf_sample
 
@@ -363,11 +369,33 @@ def test_finished_rows_leave_the_running_batch(model, tokenizer):
     )
     lengths = outs[True]["response_mask"].sum(1)
     assert lengths.min() < 8
-    # prefill runs once per distinct prompt; decode step s runs the rows still unfinished
-    assert sizes[True][0] == sizes[False][0] == len(PROMPTS)
+    # one prefill forward: the distinct prompts as one token trie (they share BOS); decode
+    # step s runs the rows still unfinished
+    assert sizes[True][0] == sizes[False][0] == 1
     expected = [int((lengths > s).sum()) for s in range(1, int(lengths.max()))]
     assert sizes[True][1:] == expected
     assert sizes[False][1:] == [len(prompts)] * len(expected)
+
+
+def test_trie_prefill_equals_the_padded_prefill(model, tokenizer, monkeypatch):
+    """Prompts sharing a 4-token head: the trie prefill runs each shared prefix once and gives
+    the padded prefill's samples and log-probs."""
+    head = [1, 520, 9, 33]
+    rows = [[*head, 7, 8, 9], [*head, 70], [*head, 700, 701], [5, 6]]
+    prompts = prompt_batch(rows, repeat=3)
+    outs, stats = {}, {}
+    for tree in (True, False):
+        monkeypatch.setattr(hf_engine, "TREE_PREFILL", tree)
+        rollout = engine(model, tokenizer, max_response_length=6)
+        outs[tree] = rollout.generate(prompts, seed=5)
+        stats[tree] = rollout.last_stats
+    assert torch.equal(outs[True]["responses"], outs[False]["responses"])
+    torch.testing.assert_close(
+        outs[True]["rollout_log_probs"], outs[False]["rollout_log_probs"], atol=1e-5, rtol=0
+    )
+    assert stats[False]["prefill_tokens"] == 7 + 5 + 6 + 2
+    assert stats[True]["prefill_tokens"] == 4 + 3 + 1 + 2 + 2  # head, tails, [5, 6]
+    assert stats[True]["prefill_rows"] == stats[False]["prefill_rows"] == 4
 
 
 # ---- input checks and model state ------------------------------------------------------------

@@ -2,51 +2,43 @@
 is computed once, with gradients.
 
 GRPO samples n responses per prompt, and prompts often share a long head (system prompt,
-worked example), so most of a micro-batch's tokens repeat. In a causal LM the output at a
-token depends only on the tokens up to it, so two rows that agree on tokens 0..k have the
-same hidden states there. The rows' real tokens (``packing.pack``) are merged into a token
-trie: one node per distinct prefix, holding its last token at ``position_ids`` = depth. All
-nodes run as one row whose 4-D attention mask lets node a see node b iff b is a or an
-ancestor of a: exactly the causal context each token has in its own row. Response token j
-of row i reads its logits at the node of the prefix before it (the row's path node at depth
-p_i + j - 1), so log-probs, entropies and, through autograd (a shared node's gradient is
-the sum over the rows that read it), the gradients equal the padded forward's up to float
-rounding (``tests/test_prefix_tree.py`` pins both).
-
-The mask is dense (N x N booleans for N nodes), so the tree is used only where it pays:
-at most ``MAX_NODES`` nodes and at least ``MIN_SAVING`` of the tokens saved; otherwise the
-caller's own forward runs. The model must pass ``position_ids`` and a 4-D mask through to
-its attention ('sdpa': boolean, True = attend; 'eager': additive float), with every layer
-attending to the full context (no sliding window); ``supports_prefix_tree`` checks this.
+worked example), so most of a micro-batch's tokens repeat. The rows' real tokens
+(``packing.pack``) are merged into a token trie and run as one sequence
+(``models.token_tree``). Response token j of row i reads its logits at the node of the prefix
+before it (the row's path node at depth p_i + j - 1), so log-probs, entropies and, through
+autograd (a shared node's gradient is the sum over the rows that read it), the gradients equal
+the padded forward's up to float rounding (``tests/test_prefix_tree.py`` pins both). Where
+the trie does not pay (``token_tree.tree_pays``) the caller's own forward runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from creditrl.batch import Batch
 from creditrl.core import entropy_from_logits, log_probs_from_logits
+from creditrl.models.token_tree import (
+    token_trie,
+    tree_attention_mask,
+    tree_pays,
+    tree_unsupported,
+)
 from creditrl.workers.packing import pack, unpack
 
 __all__ = [
-    "MAX_NODES",
-    "MIN_SAVING",
     "SHARED_PREFIX_CHOICES",
     "PrefixTree",
     "build_prefix_tree",
     "group_by_prompt",
     "prefix_tree_policy_forward",
     "resolve_shared_prefix",
-    "supports_prefix_tree",
 ]
 
 SHARED_PREFIX_CHOICES = ("auto", "always", "never")
-MAX_NODES = 4096  # the mask is MAX_NODES^2 booleans (16 MiB)
-MIN_SAVING = 0.1  # use the tree when it removes at least this share of the tokens
-_MASKED_KERNELS = ("sdpa", "eager")
 
 
 @dataclass
@@ -69,64 +61,30 @@ class PrefixTree:
 
 def build_prefix_tree(batch: Batch, only_if_it_pays: bool = False) -> PrefixTree | None:
     """The token trie of ``batch``'s rows (validated as ``packing.pack`` does); None, before
-    the mask is built, when ``only_if_it_pays`` and the tree would not (``MAX_NODES``,
-    ``MIN_SAVING``)."""
+    the mask is built, when ``only_if_it_pays`` and the trie would not (``tree_pays``)."""
     packed = pack(batch)
     lengths = batch["attention_mask"].bool().sum(-1).tolist()
     flat = packed.input_ids[0].tolist()
-    children: dict[tuple[int, int], int] = {}
-    node_token: list[int] = []
-    node_depth: list[int] = []
-    paths: list[list[int]] = []
-    start = 0
-    for length in lengths:
-        parent, path = -1, []
-        for depth, token in enumerate(flat[start : start + length]):
-            node = children.get((parent, token))
-            if node is None:
-                node = children[(parent, token)] = len(node_token)
-                node_token.append(token)
-                node_depth.append(depth)
-            path.append(node)
-            parent = node
-        paths.append(path)
-        start += length
-    n = len(node_token)
-    if only_if_it_pays and not _pays(n, len(flat)):
+    starts = [0, *accumulate(lengths)][:-1]
+    trie = token_trie(flat[s : s + n] for s, n in zip(starts, lengths, strict=True))
+    if only_if_it_pays and not tree_pays(trie.nodes, len(flat)):
         return None
     device = packed.input_ids.device
-    ancestors = torch.zeros(n, n, dtype=torch.bool, device=device)
-    for path in paths:
-        ids = torch.tensor(path, device=device)
-        rows, cols = torch.tril_indices(len(path), len(path), device=device)
-        ancestors[ids[rows], ids[cols]] = True
     # packed position -> node; logit_positions are packed positions of the prefix's last token
-    node_of = torch.tensor([node for path in paths for node in path], device=device)
-    before = node_of[packed.logit_positions]
-    logit_nodes, logit_index = torch.unique(before, sorted=True, return_inverse=True)
+    node_of = torch.tensor([node for path in trie.paths for node in path], device=device)
+    logit_nodes, logit_index = torch.unique(
+        node_of[packed.logit_positions], sorted=True, return_inverse=True
+    )
     return PrefixTree(
-        input_ids=torch.tensor([node_token], dtype=packed.input_ids.dtype, device=device),
-        position_ids=torch.tensor([node_depth], dtype=packed.position_ids.dtype, device=device),
-        ancestors=ancestors,
+        input_ids=torch.tensor([trie.tokens], dtype=packed.input_ids.dtype, device=device),
+        position_ids=torch.tensor([trie.depths], dtype=packed.position_ids.dtype, device=device),
+        ancestors=trie.ancestors(device),
         logit_nodes=logit_nodes,
         logit_index=logit_index,
         labels=packed.labels,
         response_valid=packed.response_valid,
         tokens=len(flat),
     )
-
-
-def _attention_mask(tree: PrefixTree, kernel: str, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, N, N): boolean for sdpa, additive (0 / dtype min) for eager."""
-    mask = tree.ancestors[None, None]
-    if kernel == "sdpa":
-        return mask
-    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return additive.masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def _pays(nodes: int, tokens: int) -> bool:
-    return nodes <= MAX_NODES and nodes <= (1.0 - MIN_SAVING) * tokens
 
 
 def prefix_tree_policy_forward(
@@ -144,11 +102,12 @@ def prefix_tree_policy_forward(
     tree = build_prefix_tree(batch, only_if_it_pays=True)
     if tree is None:
         return fallback(model, batch, temperature, with_entropy, entropy_grad)
-    kernel = model.config._attn_implementation
-    dtype = next(model.parameters()).dtype
+    mask = tree_attention_mask(
+        tree.ancestors, model.config._attn_implementation, next(model.parameters()).dtype
+    )
     out = model(
         input_ids=tree.input_ids,
-        attention_mask=_attention_mask(tree, kernel, dtype),
+        attention_mask=mask,
         position_ids=tree.position_ids,
         use_cache=False,
         logits_to_keep=tree.logit_nodes,
@@ -179,23 +138,6 @@ def group_by_prompt(batch: Batch) -> torch.Tensor:
     return torch.argsort(first_row[group] * len(group) + torch.arange(len(group)))
 
 
-def supports_prefix_tree(model: torch.nn.Module) -> str | None:
-    """None when ``model`` can run the tree forward, else why not (one line)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return "the model has no transformers config"
-    kernel = getattr(config, "_attn_implementation", None)
-    if kernel not in _MASKED_KERNELS:
-        return f"its attention implementation {kernel!r} is not one of {_MASKED_KERNELS}"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        sliding = getattr(config, "sliding_window", None) is not None
-        layer_types = ["sliding_attention" if sliding else "full_attention"]
-    if any(kind != "full_attention" for kind in layer_types):
-        return "it has layers that do not attend to the full context (e.g. a sliding window)"
-    return None
-
-
 def resolve_shared_prefix(setting: str, model: torch.nn.Module) -> bool:
     """Whether the actor uses the tree forward: 'always' (ValueError if the model cannot),
     'never', or 'auto': for CPU models that can (measured faster there: benchmarks/step_time.py;
@@ -206,7 +148,7 @@ def resolve_shared_prefix(setting: str, model: torch.nn.Module) -> bool:
         )
     if setting == "never":
         return False
-    reason = supports_prefix_tree(model)
+    reason = tree_unsupported(model)
     if setting == "always":
         if reason is not None:
             raise ValueError(f"actor.shared_prefix=always cannot be used: {reason}")
