@@ -11,15 +11,14 @@ never stop at EOS (HF: ``min_new_tokens``), so both sides generate exactly 16 x 
 "ours" and bf16 also report how far rollout_log_probs are from a float32 teacher-forced forward.
 "concat-cache" and "linear-as-is" switch off one of the engine's CPU measures (hf_engine docs).
 
-Measured on the 2-core AMD EPYC dev box (torch 2.13, transformers 5.23, 2 threads, quiet
-machine; medians of 3; the timings swing by 20-50 % when other jobs share the cores):
+Measured on the 2-core AMD EPYC dev box (torch 2.13, transformers 5.24, 2 threads, quiet
+machine; medians of 3; the prompts carry the default worked example, 130 tokens, 4 distinct
+prompts prefilled as one token trie; timings swing by 20-50 % between runs):
 
-    ours                5.8 s  442 tokens  (prefill 0.4 s; |logp - teacher-forced| <= 2.6e-5)
-    ours-keep-finished 10.5 s  (1520 decode rows instead of 426)
-    ours-concat-cache   6.7 s      ours-linear-as-is  8.6 s      ours-eager  5.9 s
-    ours-bf16           5.1 s  562 tokens, |logp - fp32| max 0.41, mean 0.037: not used
-    hf                 13.1 s  550 tokens      hf-static-cache  14.8 s
-    ours-full          10.7 s  1536 tokens     hf-full          14.7 s
+    ours                2.40 s  162 tokens  (prefill 0.59 s; |logp - teacher-forced| <= 6.3e-5)
+    hf                  9.39 s  172 tokens
+    ours-full          13.42 s  1536 tokens (prefill 0.58 s, decode 12.83 s)
+    hf-full            20.60 s  1536 tokens:  1.54x
 """
 
 from __future__ import annotations

@@ -334,3 +334,16 @@ def test_rollout_prefill_tokens_metric(tmp_path: Path, tokenizer) -> None:
     third, future = pipeline.generation_half(prompts[:2], 2, timing)
     metrics = pipeline.score(third, future, timing, "reward")
     assert metrics["rollout/prefill_tokens"] == len(rows[0]) and metrics["reward/x"] == 1.0
+
+
+def test_first_turn_prefills_as_a_token_trie_in_both_paths(model, tokenizer) -> None:
+    """The six chat prompts share their template's head: the first turn runs them as one
+    token trie whether the KV is kept or not (same pushed count, fewer than their tokens),
+    and the greedy rollouts stay equal (sampled ones may part where a draw lands within float
+    rounding of a tail token's CDF boundary: the trie's keys differ from the padded ones by
+    ~1e-7)."""
+    kept, _, calls = agent_rollout(model, tokenizer, True, greedy=True)
+    fresh, _, fresh_calls = agent_rollout(model, tokenizer, False, greedy=True)
+    assert_same_rollout(kept, fresh)
+    first_requests, first_kept, _ = calls[0]
+    assert first_kept == fresh_calls[0][1] < sum(len(r.ids) for r in distinct(first_requests))

@@ -433,18 +433,23 @@ class HFRolloutEngine(RolloutEngine):
         firsts = torch.full((len(unique_keys),), m, dtype=torch.long, device=device)
         firsts = firsts.scatter_reduce(0, inverse, torch.arange(m, device=device), "amin")
         cache = preallocated_cache(self.model, ids.shape[1] + max_new)
-        tree = self._prefill_trie(ids[firsts], mask[firsts], cache)
-        if tree is None:
-            logits = self._forward(ids[firsts], mask[firsts], positions[firsts], cache, True)
-            pushed = float(mask[firsts].sum())
-        else:
-            logits, pushed = tree
+        logits, pushed = self._fresh_prefill(ids[firsts], mask[firsts], positions[firsts], cache)
         self.last_stats["prefill_rows"] += len(firsts)
         self.last_stats["prefill_tokens"] += pushed
         if not torch.equal(inverse, torch.arange(m, device=device)):  # expand and restore order
             cache.batch_select_indices(inverse)
             logits = logits[inverse]
         return cache, logits
+
+    def _fresh_prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, float]:
+        """Next-token logits (m, V) of distinct prompts into an empty ``cache``, and the
+        positions pushed: as one token trie where it pays, else padded."""
+        tree = self._prefill_trie(ids, mask, cache)
+        if tree is not None:
+            return tree
+        return self._forward(ids, mask, positions, cache, True), float(mask.sum())
 
     def _prefill_trie(
         self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache
@@ -508,7 +513,7 @@ class HFRolloutEngine(RolloutEngine):
         else:
             new_cache = partial(preallocated_cache, self.model)
             cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
-                device, self._forward, new_cache, max_new, self.pad_token_id
+                device, self._forward, new_cache, max_new, self.pad_token_id, self._fresh_prefill
             )
             stats["prefill_rows"] += prefilled_rows
             stats["prefill_tokens"] += prefilled

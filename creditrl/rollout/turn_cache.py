@@ -114,11 +114,14 @@ class TurnPrefill:
         new_cache: Callable[[int], DynamicCache],
         max_new: int,
         pad_token_id: int,
-    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        fresh_prefill: Callable[..., tuple[torch.Tensor, float]] | None = None,
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
         """(cache, next-token logits (m, V), attention mask (m, Cw+Aw), next position (m,),
         rows prefilled, tokens prefilled). Rows with the same context and the same reused
         length are prefilled once. ``forward(ids, mask, positions, cache, last_only)`` is the
-        engine's model call; ``new_cache(capacity)`` its empty cache."""
+        engine's model call; ``new_cache(capacity)`` its empty cache; when no row reuses KV
+        (a first turn), ``fresh_prefill(ids, mask, positions, cache)`` -> (logits, tokens
+        pushed) prefills instead if given (the engine's token-trie prefill)."""
         cached = [0 if r is None else len(r.ids) for r in self.reused]
         groups: dict[tuple[int, tuple[int, ...]], int] = {}
         inverse, firsts = [], []
@@ -146,13 +149,16 @@ class TurnPrefill:
             )
         positions = mask.cumsum(-1)[:, cached_width:] - mask[:, cached_width:]  # real tokens before
         mask, positions, ids = mask.to(device), positions.to(device), ids.to(device)
-        logits = forward(ids, mask, positions, cache, True)
+        if cached_width == 0 and fresh_prefill is not None:
+            logits, pushed = fresh_prefill(ids, mask, positions, cache)
+        else:
+            logits, pushed = forward(ids, mask, positions, cache, True), float(appended.sum())
         if len(firsts) < len(inverse):  # one row per trajectory again, in order
             index = torch.tensor(inverse, device=device)
             cache.batch_select_indices(index)
             logits, mask = logits[index], mask[index]
         next_position = torch.tensor([len(c) for c in self.contexts], device=device)
-        return cache, logits, mask, next_position, len(firsts), int(appended.sum())
+        return cache, logits, mask, next_position, len(firsts), pushed
 
     @staticmethod
     def _seed(cache: DynamicCache, entries: list[CachedSequence | None], width: int) -> None:
