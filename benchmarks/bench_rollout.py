@@ -13,12 +13,13 @@ never stop at EOS (HF: ``min_new_tokens``), so both sides generate exactly 16 x 
 
 Measured on the 2-core AMD EPYC dev box (torch 2.13, transformers 5.24, 2 threads, quiet
 machine; medians of 3; the prompts carry the default worked example, 130 tokens, 4 distinct
-prompts prefilled as one token trie; timings swing by 20-50 % between runs):
+prompts prefilled as one token trie, decode through ``rollout.llama_decode``; timings swing
+by 20-50 % between runs):
 
-    ours                2.40 s  162 tokens  (prefill 0.59 s; |logp - teacher-forced| <= 6.3e-5)
-    hf                  9.39 s  172 tokens
-    ours-full          13.42 s  1536 tokens (prefill 0.58 s, decode 12.83 s)
-    hf-full            20.60 s  1536 tokens:  1.54x
+    ours                2.77 s  162 tokens  (prefill 0.66 s; |logp - teacher-forced| <= 7.3e-5)
+    ours-full          11.09 s  1536 tokens (prefill 0.60 s, decode 10.44 s)
+    hf-full            20.38 s  1536 tokens:  1.84x
+    (before the Llama decode step, same day: ours-full 13.42 s, hf-full 20.60 s: 1.54x)
 """
 
 from __future__ import annotations

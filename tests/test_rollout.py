@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from creditrl.rollout import (
     sample_next_tokens,
 )
 from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
+from creditrl.rollout.llama_decode import LlamaDecoder
 from creditrl.rollout.sampling import inverse_cdf_sample
 
 PAD = 2
@@ -349,7 +351,8 @@ def test_weight_major_linears_give_the_linear_values(rows, out_features):
 # ---- no forward passes on finished rows ------------------------------------------------------
 
 
-def test_finished_rows_leave_the_running_batch(model, tokenizer):
+def test_finished_rows_leave_the_running_batch(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(hf_engine, "FAST_DECODE", False)  # count rows through model.forward
     prompts = prompt_batch(PROMPTS, repeat=4)
     stop_ids = list(range(0, 49152, 5))
     outs, sizes = {}, {}
@@ -375,6 +378,37 @@ def test_finished_rows_leave_the_running_batch(model, tokenizer):
     expected = [int((lengths > s).sum()) for s in range(1, int(lengths.max()))]
     assert sizes[True][1:] == expected
     assert sizes[False][1:] == [len(prompts)] * len(expected)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_llama_decoder_equals_the_model_forward(model, tokenizer, monkeypatch, greedy):
+    """The plain-Llama decode step samples the same tokens with log-probs within 1e-5 of the
+    model's own forward, finished rows leaving the batch as before."""
+    prompts = prompt_batch(PROMPTS, repeat=3)
+    outs, stats = {}, {}
+    for fast in (True, False):
+        monkeypatch.setattr(hf_engine, "FAST_DECODE", fast)
+        rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 7)))
+        outs[fast] = rollout.generate(prompts, seed=3, greedy=greedy)
+        stats[fast] = rollout.last_stats
+    assert LlamaDecoder.for_model(model) is not None
+    assert torch.equal(outs[True]["responses"], outs[False]["responses"])
+    torch.testing.assert_close(
+        outs[True]["rollout_log_probs"], outs[False]["rollout_log_probs"], atol=1e-5, rtol=0
+    )
+    assert stats[True]["decode_rows"] == stats[False]["decode_rows"]
+    assert outs[True]["response_mask"].sum(1).min() < outs[True]["responses"].shape[1]
+
+
+def test_llama_decoder_only_takes_plain_llamas(model):
+    class Subclass(type(model)):
+        pass
+
+    assert LlamaDecoder.for_model(Subclass(model.config)) is None
+    biased = copy.deepcopy(model.config)
+    biased.attention_bias = True
+    assert LlamaDecoder.for_model(type(model)(biased)) is None
+    assert LlamaDecoder.for_model(copy.deepcopy(model).to(torch.float64)) is None
 
 
 def test_trie_prefill_equals_the_padded_prefill(model, tokenizer, monkeypatch):

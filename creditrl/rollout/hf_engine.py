@@ -11,7 +11,8 @@ Per micro-batch of ``cfg.micro_batch_size`` trajectories:
    prefix once (``_prefill_trie``); the KV cache is then expanded to one row per trajectory;
 2. decode one token per step for the running rows, with the 2-D attention mask of the real
    tokens and ``position_ids`` = the number of real tokens before the new one, so a left-padded
-   row generates what it would generate alone;
+   row generates what it would generate alone (plain float32 CPU Llama models step through
+   ``rollout.llama_decode.LlamaDecoder``, the same function with less overhead);
 3. a row leaves the running batch (KV cache, mask, positions) at the step it samples EOS or
    reaches ``max_response_length``, so no forward pass is spent on finished rows.
 
@@ -46,12 +47,14 @@ from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
+from creditrl.rollout.llama_decode import LlamaDecoder
 from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
 
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
 
 __all__ = [
+    "FAST_DECODE",
     "LARGE_WEIGHT_ROWS",
     "SMALL_BATCH_ROWS",
     "TREE_PREFILL",
@@ -70,6 +73,8 @@ _STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_row
 
 # float32 CPU nn.Linear calls on at most this many rows use the (W @ x^T)^T layout; 0: never.
 SMALL_BATCH_ROWS = 8
+# Decode plain float32 CPU Llama models with rollout.llama_decode.LlamaDecoder.
+FAST_DECODE = True
 # Prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
 # ... and on at most this many rows for weights of _LARGE_WEIGHT elements or more: the 49152 x
@@ -301,6 +306,7 @@ class HFRolloutEngine(RolloutEngine):
         self.generator = torch.Generator(device=model.device)
         self.generator.manual_seed(seed)
         self._keeps_last_logits = _accepts_logits_to_keep(model)
+        self._decoder: LlamaDecoder | None = None
         self._tree_prefill = (
             self._keeps_last_logits
             and tree_unsupported(model) is None
@@ -388,6 +394,7 @@ class HFRolloutEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.inference_mode(), weight_major_linears(self.model):
+                self._decoder = LlamaDecoder.for_model(self.model) if FAST_DECODE else None
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
                     plan = None
@@ -406,6 +413,7 @@ class HFRolloutEngine(RolloutEngine):
                         )
                     )
         finally:
+            self._decoder = None
             self.model.train(was_training)
         out = self._assemble(prompts, ids, mask, parts)
         self.last_stats["response_tokens"] = float(out["response_mask"].sum())
@@ -559,7 +567,10 @@ class HFRolloutEngine(RolloutEngine):
                 rows, tokens, mask = rows[keep], tokens[keep], mask[keep]
                 next_position, alive = next_position[keep], alive[keep]
             mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-            logits = self._forward(tokens[:, None], mask, next_position[:, None], cache, False)
+            if self._decoder is not None:
+                logits = self._decoder.step(tokens[:, None], next_position[:, None], mask, cache)
+            else:
+                logits = self._forward(tokens[:, None], mask, next_position[:, None], cache, False)
             next_position = next_position + 1
             stats["decode_rows"] += len(tokens)
             stats["decode_steps"] += 1
