@@ -7,9 +7,10 @@ function with fused ``rms_norm``, one product for q/k/v and one for gate/up (wei
 concatenated once per ``generate`` call, since the actor's weights change between calls), an
 additive mask built once a step, and the weight-major product layout of ``hf_engine``: ~99 ms
 against ~124 ms a step, median of 4 alternations of 40 steps on the 2-core dev box; logits
-within 5e-5 of transformers' (``tests/test_rollout.py`` pins samples and log-probs).
-``benchmarks/bench_rollout.py`` ours-full: 11.09 s against 13.42 s before. It writes into the engine's
-``PreallocatedLayer`` cache, so prefill, row removal and the agent's kept KV are unchanged.
+within 5e-5 of transformers' (``tests/test_rollout.py`` pins samples and log-probs);
+``benchmarks/bench_rollout.py`` ours-full: 11.09 s against 13.42 s before. It writes into the
+engine's ``PreallocatedLayer`` cache, so prefill, row removal and the agent's kept KV are
+unchanged.
 
 Used only where it is exactly the model's function: ``type(model) is LlamaForCausalLM`` (a
 subclass may change ``forward``), float32 on CPU, sdpa or eager attention, SiLU MLP, no
