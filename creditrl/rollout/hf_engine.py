@@ -306,7 +306,6 @@ class HFRolloutEngine(RolloutEngine):
         self.generator = torch.Generator(device=model.device)
         self.generator.manual_seed(seed)
         self._keeps_last_logits = _accepts_logits_to_keep(model)
-        self._decoder: LlamaDecoder | None = None
         self._tree_prefill = (
             self._keeps_last_logits
             and tree_unsupported(model) is None
@@ -394,7 +393,7 @@ class HFRolloutEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.inference_mode(), weight_major_linears(self.model):
-                self._decoder = LlamaDecoder.for_model(self.model) if FAST_DECODE else None
+                decoder = LlamaDecoder.for_model(self.model) if FAST_DECODE else None
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
                     plan = None
@@ -410,10 +409,10 @@ class HFRolloutEngine(RolloutEngine):
                             params,
                             None if seeds is None else seeds[rows],
                             plan,
+                            decoder,
                         )
                     )
         finally:
-            self._decoder = None
             self.model.train(was_training)
         out = self._assemble(prompts, ids, mask, parts)
         self.last_stats["response_tokens"] = float(out["response_mask"].sum())
@@ -505,11 +504,13 @@ class HFRolloutEngine(RolloutEngine):
         params: SamplingParams,
         seeds: torch.Tensor | None = None,
         turns: TurnPrefill | None = None,
+        decoder: LlamaDecoder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch; with
         ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed. With
         ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
-        finishes (``creditrl.rollout.turn_cache``)."""
+        finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode steps instead
+        of the model's forward when given."""
         m, device, max_new = len(ids), ids.device, params.max_new_tokens
         stats, start = self.last_stats, time.perf_counter()
         if turns is None:
@@ -567,8 +568,8 @@ class HFRolloutEngine(RolloutEngine):
                 rows, tokens, mask = rows[keep], tokens[keep], mask[keep]
                 next_position, alive = next_position[keep], alive[keep]
             mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-            if self._decoder is not None:
-                logits = self._decoder.step(tokens[:, None], next_position[:, None], mask, cache)
+            if decoder is not None:
+                logits = decoder.step(tokens[:, None], next_position[:, None], mask, cache)
             else:
                 logits = self._forward(tokens[:, None], mask, next_position[:, None], cache, False)
             next_position = next_position + 1

@@ -24,7 +24,14 @@ import torch
 from creditrl.batch import Batch
 from creditrl.core import entropy_from_logits, log_probs_from_logits
 
-__all__ = ["PackedSequences", "pack", "packed_policy_forward", "packed_value_forward", "unpack"]
+__all__ = [
+    "PackedSequences",
+    "pack",
+    "packed_policy_forward",
+    "packed_value_forward",
+    "response_outputs",
+    "unpack",
+]
 
 
 @dataclass
@@ -109,16 +116,32 @@ def packed_policy_forward(
         use_cache=False,
         logits_to_keep=packed.logit_positions,
     )
-    logits = out.logits[0]
+    return response_outputs(
+        out.logits[0], packed, temperature, with_entropy, entropy_grad, labels=packed.labels
+    )
+
+
+def response_outputs(
+    logits: torch.Tensor,
+    layout: PackedSequences,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    *,
+    labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From (M, V) logits, one row per real response token (its ``labels`` (M,)): the
+    log-probs (B, T) at ``temperature`` and, when asked, the entropies (B, T) (no gradient
+    when ``entropy_grad`` is False), 0 on padding columns (``layout.response_valid``)."""
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = unpack(log_probs_from_logits(logits, packed.labels), packed)
+    log_probs = unpack(log_probs_from_logits(logits, labels), layout)
     entropy = None
     if with_entropy and entropy_grad:
-        entropy = unpack(entropy_from_logits(logits), packed)
+        entropy = unpack(entropy_from_logits(logits), layout)
     elif with_entropy:
         with torch.no_grad():
-            entropy = unpack(entropy_from_logits(logits.detach()), packed)
+            entropy = unpack(entropy_from_logits(logits.detach()), layout)
     return log_probs, entropy
 
 

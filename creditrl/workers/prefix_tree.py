@@ -20,14 +20,13 @@ from itertools import accumulate
 import torch
 
 from creditrl.batch import Batch
-from creditrl.core import entropy_from_logits, log_probs_from_logits
 from creditrl.models.token_tree import (
     token_trie,
     tree_attention_mask,
     tree_pays,
     tree_unsupported,
 )
-from creditrl.workers.packing import pack, unpack
+from creditrl.workers.packing import pack, response_outputs
 
 __all__ = [
     "SHARED_PREFIX_CHOICES",
@@ -112,18 +111,10 @@ def prefix_tree_policy_forward(
         use_cache=False,
         logits_to_keep=tree.logit_nodes,
     )
-    logits = out.logits[0]
-    if temperature != 1.0:
-        logits = logits / temperature
-    per_token = logits[tree.logit_index]
-    log_probs = unpack(log_probs_from_logits(per_token, tree.labels), tree)
-    entropy = None
-    if with_entropy and entropy_grad:
-        entropy = unpack(entropy_from_logits(per_token), tree)
-    elif with_entropy:
-        with torch.no_grad():
-            entropy = unpack(entropy_from_logits(per_token.detach()), tree)
-    return log_probs, entropy
+    per_token = out.logits[0][tree.logit_index]
+    return response_outputs(
+        per_token, tree, temperature, with_entropy, entropy_grad, labels=tree.labels
+    )
 
 
 def group_by_prompt(batch: Batch) -> torch.Tensor:
