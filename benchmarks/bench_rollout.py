@@ -77,12 +77,12 @@ def teacher_forced(model: PreTrainedModel, out: Batch) -> torch.Tensor:
     return log_probs.gather(-1, out["responses"][..., None]).squeeze(-1)
 
 
-def run_ours(model, tokenizer, prompts, repeats, reference=None, **options) -> Result:
+def run_ours(model, tokenizer, prompts, seeds, reference=None, **options) -> Result:
     cfg = RolloutConfig(max_response_length=MAX_NEW, micro_batch_size=64, temperature=1.0)
     engine = HFRolloutEngine(model, tokenizer, cfg, **options)
     engine.generate(prompts[:2], seed=123)  # warm-up
     seconds, tokens, stats, errors = [], [], [], []
-    for seed in range(repeats):
+    for seed in seeds:
         start = time.perf_counter()
         out = engine.generate(prompts, seed=seed)
         seconds.append(time.perf_counter() - start)
@@ -122,7 +122,7 @@ def run_ours_without(measure: str, *args, **kwargs) -> Result:
         hf_engine.SMALL_BATCH_ROWS, hf_engine.preallocated_cache = saved
 
 
-def run_hf(model, tokenizer, prompts, repeats, **options) -> Result:
+def run_hf(model, tokenizer, prompts, seeds, **options) -> Result:
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     kwargs = dict(
         do_sample=True,
@@ -136,7 +136,7 @@ def run_hf(model, tokenizer, prompts, repeats, **options) -> Result:
     with torch.inference_mode():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], **kwargs)  # warm-up
     seconds, tokens = [], []
-    for seed in range(repeats):
+    for seed in seeds:
         torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2-135M")
     parser.add_argument("--only", default="", help="comma-separated variant names")
+    parser.add_argument("--paired", default="", help="a,b: alternate two variants seed by seed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or str(embedded_model_dir())
@@ -169,25 +170,55 @@ def main() -> None:
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    r = args.repeats
-    variants: dict[str, Callable[[], Result]] = {
-        "ours": lambda: run_ours(model, tokenizer, prompts, r, reference=model),
-        "ours-keep-finished": lambda: run_ours(model, tokenizer, prompts, r, remove_finished=False),
-        "ours-concat-cache": lambda: run_ours_without("prealloc", model, tokenizer, prompts, r),
-        "ours-linear-as-is": lambda: run_ours_without("weight_major", model, tokenizer, prompts, r),
-        "ours-eager": lambda: run_ours(eager, tokenizer, prompts, r),
-        "ours-bf16": lambda: run_ours(bf16, tokenizer, prompts, r, reference=model),
-        "hf": lambda: run_hf(model, tokenizer, prompts, r),
-        "hf-static-cache": lambda: run_hf(
+    variants: dict[str, Callable[[list[int]], Result]] = {
+        "ours": lambda r: run_ours(model, tokenizer, prompts, r, reference=model),
+        "ours-keep-finished": lambda r: run_ours(
+            model, tokenizer, prompts, r, remove_finished=False
+        ),
+        "ours-concat-cache": lambda r: run_ours_without("prealloc", model, tokenizer, prompts, r),
+        "ours-linear-as-is": lambda r: run_ours_without(
+            "weight_major", model, tokenizer, prompts, r
+        ),
+        "ours-eager": lambda r: run_ours(eager, tokenizer, prompts, r),
+        "ours-bf16": lambda r: run_ours(bf16, tokenizer, prompts, r, reference=model),
+        "hf": lambda r: run_hf(model, tokenizer, prompts, r),
+        "hf-static-cache": lambda r: run_hf(
             model, tokenizer, prompts, r, cache_implementation="static"
         ),
-        "ours-full": lambda: run_ours(model, tokenizer, prompts, r, eos_token_ids=[]),
-        "hf-full": lambda: run_hf(model, tokenizer, prompts, r, min_new_tokens=MAX_NEW),
+        "ours-full": lambda r: run_ours(model, tokenizer, prompts, r, eos_token_ids=[]),
+        "hf-full": lambda r: run_hf(model, tokenizer, prompts, r, min_new_tokens=MAX_NEW),
     }
+    if args.paired:
+        run_paired(variants, args.paired.split(","), args.repeats)
+        return
     only = [v for v in args.only.split(",") if v]
     for name, run in variants.items():
         if not only or name in only:
-            print(run().line(name), flush=True)
+            print(run(list(range(args.repeats))).line(name), flush=True)
+
+
+def run_paired(
+    variants: dict[str, Callable[[list[int]], Result]], names: list[str], repeats: int
+) -> None:
+    """``a,b``: a and b alternate, one seed each in turn, so that the machine's drift falls on
+    both; prints each side and the ratio b / a of every pair with their median."""
+    if len(names) != 2 or not set(names) <= set(variants):
+        raise SystemExit(f"--paired takes two of {', '.join(variants)}; got {names}")
+    results = {name: Result([], []) for name in names}
+    for seed in range(repeats):
+        for name in names:
+            one = variants[name]([seed])
+            results[name].seconds += one.seconds
+            results[name].tokens += one.tokens
+            results[name].notes = one.notes
+    for name in names:
+        print(results[name].line(name))
+    first, second = (results[name].seconds for name in names)
+    ratios = [b / a for a, b in zip(first, second, strict=True)]
+    print(
+        f"{names[1]} / {names[0]} pair by pair: {', '.join(f'{x:.2f}' for x in ratios)}; "
+        f"median {statistics.median(ratios):.2f}x"
+    )
 
 
 if __name__ == "__main__":

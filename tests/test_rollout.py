@@ -15,6 +15,7 @@ from creditrl.rollout import (
     eos_token_ids_of,
     filter_logits,
     hf_engine,
+    llama_decode,
     sample_next_tokens,
 )
 from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
@@ -398,6 +399,31 @@ def test_llama_decoder_equals_the_model_forward(model, tokenizer, monkeypatch, g
     )
     assert stats[True]["decode_rows"] == stats[False]["decode_rows"]
     assert outs[True]["response_mask"].sum(1).min() < outs[True]["responses"].shape[1]
+
+
+def test_llama_decoder_attends_with_the_fused_kernel(model, tokenizer):
+    """Every decode step's attention runs SDPA's fused CPU kernel: a query with a strided last
+    dimension (the weight-major product's layout) would send it to the math kernel."""
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    rollout = engine(model, tokenizer, eos_token_ids=[])
+    with torch.profiler.profile() as profile:
+        rollout.generate(prompts, seed=0)
+    names = [event.name for event in profile.events()]
+    layers = model.config.num_hidden_layers
+    steps = int(rollout.last_stats["decode_steps"])
+    assert steps > 0
+    assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") >= layers * steps
+    assert names.count("aten::_scaled_dot_product_attention_math") <= layers  # the prefill
+
+
+@pytest.mark.parametrize("rows", [1, 16, 80])
+def test_llama_decoder_lm_head_in_blocks(monkeypatch, rows):
+    """The LM head's product in blocks of weight rows (the last one short) gives x @ W^T."""
+    monkeypatch.setattr(llama_decode, "HEAD_CHUNK_ROWS", 7)
+    weight, x = torch.randn(30, 16), torch.randn(rows, 16)
+    out = llama_decode._project_head(weight, x)
+    assert out.shape == (rows, 30)
+    torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
 
 
 def test_llama_decoder_only_takes_plain_llamas(model):
