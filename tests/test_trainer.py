@@ -105,6 +105,17 @@ def test_resume_from_step_one_reproduces_step_two(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_rerunning_a_finished_run_reports_its_validations(tmp_path: Path) -> None:
+    """A second `creditrl train` on a finished run's directory resumes at its end and its
+    summary shows the validation before and after (it showed "n/a" after)."""
+    first = RLTrainer(tiny_config(tmp_path)).fit()
+    again = RLTrainer(tiny_config(tmp_path)).fit()
+    assert first.val_after and "val/score" in first.val_after
+    assert again.as_dict()["val_score_after"] == first.as_dict()["val_score_after"]
+    assert again.as_dict()["val_score_before"] == first.as_dict()["val_score_before"]
+    assert again.rewards == []
+
+
 def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "actor.use_rollout_log_probs=true", "trainer.total_steps=1")
     trainer = RLTrainer(cfg)

@@ -46,6 +46,17 @@ from creditrl.workers.precision import resolve_autocast
 __all__ = ["RLTrainer", "RunSummary"]
 
 
+def _metrics(value: Any) -> dict[str, float]:
+    """A checkpoint's saved validation metrics: the name -> number entries of a mapping."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: float(v)
+        for k, v in value.items()
+        if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
 @dataclass
 class RunSummary:
     """What the end-of-run summary shows."""
@@ -125,6 +136,7 @@ class RLTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "uid_rng": self.uid_rng.bit_generator.state,
             "val_before": getattr(self, "val_before", {}),
+            "val_latest": getattr(self, "val_latest", {}),
         }
         return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
 
@@ -141,7 +153,8 @@ class RLTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.uid_rng.bit_generator.state = state["uid_rng"]
-        self.val_before = state.get("val_before", {})
+        self.val_before = _metrics(state.get("val_before"))
+        self.val_latest = _metrics(state.get("val_latest"))
         self.tracker.truncate_after(self.step)
         return True
 
@@ -254,7 +267,12 @@ class RLTrainer:
         elif cfg.val_before_train:
             self.val_before = self.validate()
             self.tracker.log(self.val_before, step=0)
-        summary = RunSummary(self.out, cfg.total_steps, getattr(self, "val_before", {}))
+        summary = RunSummary(
+            self.out,
+            cfg.total_steps,
+            getattr(self, "val_before", {}),
+            getattr(self, "val_latest", {}),  # a resumed run's last validation so far
+        )
         progress = TrainingProgress(cfg.total_steps, self.step, self.console)
         try:
             while self.step < cfg.total_steps:
@@ -262,7 +280,7 @@ class RLTrainer:
                 metrics = self.train_step()
                 last = self.step == cfg.total_steps
                 if cfg.test_freq > 0 and (self.step % cfg.test_freq == 0 or last):
-                    summary.val_after = self.validate()
+                    self.val_latest = summary.val_after = self.validate()
                     metrics.update(summary.val_after)
                 self.tracker.log(metrics, step=self.step)
                 progress.update(self.step, metrics)
