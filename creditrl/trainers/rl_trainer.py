@@ -98,6 +98,8 @@ class RLTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.reuse_rollout_log_probs = rollout_log_probs_reusable(cfg)
         self.n = cfg.rollout.n
+        self.val_before: dict[str, float] = {}
+        self.val_latest: dict[str, float] = {}  # the newest validation, kept by checkpoints
         self._build_data()
         self.workers = build_worker_group(cfg)
         self.reward = build_reward_manager(cfg, self.tokenizer)
@@ -135,8 +137,8 @@ class RLTrainer:
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "uid_rng": self.uid_rng.bit_generator.state,
-            "val_before": getattr(self, "val_before", {}),
-            "val_latest": getattr(self, "val_latest", {}),
+            "val_before": self.val_before,
+            "val_latest": self.val_latest,
         }
         return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
 
@@ -267,12 +269,7 @@ class RLTrainer:
         elif cfg.val_before_train:
             self.val_before = self.validate()
             self.tracker.log(self.val_before, step=0)
-        summary = RunSummary(
-            self.out,
-            cfg.total_steps,
-            getattr(self, "val_before", {}),
-            getattr(self, "val_latest", {}),  # a resumed run's last validation so far
-        )
+        summary = RunSummary(self.out, cfg.total_steps, self.val_before, self.val_latest)
         progress = TrainingProgress(cfg.total_steps, self.step, self.console)
         try:
             while self.step < cfg.total_steps:
