@@ -153,13 +153,12 @@ def test_compute_log_prob_and_values_equal_fixed_padded(setting: dict) -> None:
 
 
 def spy_grads(worker, model, grads: list) -> None:
-    step = worker.optimizer.step
+    """Append the flat gradient of ``model`` to ``grads`` before each optimizer step."""
 
-    def spy(*args, **kwargs):
+    def spy(*_):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return step(*args, **kwargs)
 
-    worker.optimizer.step = spy
+    worker.optimizer.register_step_pre_hook(spy)
 
 
 def actor_batch(model) -> Batch:

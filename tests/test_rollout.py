@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -414,6 +416,24 @@ def test_llama_decoder_attends_with_the_fused_kernel(model, tokenizer):
     assert steps > 0
     assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") >= layers * steps
     assert names.count("aten::_scaled_dot_product_attention_math") <= layers  # the prefill
+
+
+@pytest.mark.parametrize("fast_decode", [False, True])
+def test_generation_passes_the_cache_by_its_current_name(
+    model, tokenizer, monkeypatch, fast_decode
+):
+    """The engine hands the KV cache to the model under the keyword its forward names
+    (transformers 5.2x renamed ``past_key_values`` to ``cache`` and warns on the old one), so a
+    run prints no deprecation warning: padded and trie prefill, decode through the model and
+    through the Llama decoder."""
+    monkeypatch.setattr(hf_engine, "FAST_DECODE", fast_decode)
+    assert hf_engine.cache_keyword(model) in inspect.signature(type(model).forward).parameters
+    rollout = engine(model, tokenizer, eos_token_ids=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rollout.generate(prompt_batch(PROMPTS, repeat=2), seed=0)
+        rollout.generate(prompt_batch(PROMPTS[:1]), seed=0)
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
 
 
 @pytest.mark.parametrize("rows", [1, 16, 80])

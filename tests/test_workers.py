@@ -125,13 +125,11 @@ def test_micro_batches_accumulate_the_same_gradient(mode: str) -> None:
             autocast="none",
         )  # fmt: skip
         worker = ActorWorker(model, cfg)
-        step = worker.optimizer.step
 
-        def spy(*args, step=step, model=model, **kwargs):
+        def spy(*_, model=model):
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-            return step(*args, **kwargs)
 
-        worker.optimizer.step = spy
+        worker.optimizer.register_step_pre_hook(spy)
         metrics = worker.update_policy(batch, temperature=1.0, n_per_prompt=1)
         assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"} <= set(
             metrics
@@ -173,13 +171,11 @@ def test_bf16_autocast_update_stays_close_to_float32() -> None:
         model = copy.deepcopy(base)
         cfg = ActorConfig(ppo_mini_batch_size=4, shuffle=False, autocast=autocast)
         worker = ActorWorker(model, cfg)
-        step = worker.optimizer.step
 
-        def spy(*args, step=step, model=model, **kwargs):
+        def spy(*_, model=model):
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-            return step(*args, **kwargs)
 
-        worker.optimizer.step = spy
+        worker.optimizer.register_step_pre_hook(spy)
         metrics = worker.update_policy(batch, temperature=1.0, n_per_prompt=1)
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
     cosine = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)

@@ -61,6 +61,7 @@ __all__ = [
     "HFRolloutEngine",
     "PreallocatedLayer",
     "SamplingParams",
+    "cache_keyword",
     "eos_token_ids_of",
     "preallocated_cache",
     "prompt_keys",
@@ -306,6 +307,7 @@ class HFRolloutEngine(RolloutEngine):
         self.generator = torch.Generator(device=model.device)
         self.generator.manual_seed(seed)
         self._keeps_last_logits = _accepts_logits_to_keep(model)
+        self._cache_keyword = cache_keyword(model)
         self._tree_prefill = (
             self._keeps_last_logits
             and tree_unsupported(model) is None
@@ -424,8 +426,8 @@ class HFRolloutEngine(RolloutEngine):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
             **kwargs,
         )
         return out.logits[:, -1]
@@ -483,8 +485,8 @@ class HFRolloutEngine(RolloutEngine):
             input_ids=torch.tensor([trie.tokens], device=device),
             attention_mask=attention,
             position_ids=torch.tensor([trie.depths], device=device),
-            past_key_values=scratch,
             use_cache=True,
+            **{self._cache_keyword: scratch},
             logits_to_keep=torch.tensor([path[-1] for path in trie.paths], device=device),
         )
         gather = torch.zeros(ids.shape, dtype=torch.long, device=device)  # padding: node 0
@@ -607,6 +609,22 @@ def sampling_params_of(
         max_new_tokens=cfg.max_response_length,
         greedy=greedy or temperature == 0,
     )
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The forward keyword that takes a KV cache: ``cache`` where transformers renamed
+    ``past_key_values`` (the old name then warns on every call), else ``past_key_values``. The
+    nearest class whose ``forward`` names either decides (a subclass forwarding ``**kwargs`` to
+    its parent's forward defers to the parent)."""
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            continue
+        names = inspect.signature(forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                return name
+    return "past_key_values"
 
 
 def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:
