@@ -4,7 +4,7 @@ import pytest
 
 from creditrl.config.loader import load_config
 from creditrl.workers import precision
-from creditrl.workers.precision import cpu_has_native_bf16, resolve_autocast
+from creditrl.workers.precision import autocast_choice, cpu_has_native_bf16, resolve_autocast
 
 
 def _cpuinfo(tmp_path, flags: str) -> str:
@@ -31,3 +31,15 @@ def test_default_is_auto_and_bad_values_refused():
     assert load_config().actor.autocast == "auto"
     with pytest.raises(ValueError, match=r"actor\.autocast"):
         resolve_autocast("fp16", "cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_choice_and_the_flags_behind_it_are_said(monkeypatch, native):
+    """The start-up line names what ``auto`` chose on this CPU and the flags that decided."""
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    line = autocast_choice("auto", "cpu")
+    assert line.startswith(
+        f"actor.autocast=auto: the update runs in {'bf16' if native else 'none'}"
+    )
+    assert "avx512_bf16" in line and "amx_bf16" in line
+    assert autocast_choice("none", "cpu") == "actor.autocast=none: the update runs in none on cpu"

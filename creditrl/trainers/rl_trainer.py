@@ -41,7 +41,7 @@ from creditrl.tracking import (
 )
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
-from creditrl.workers.precision import resolve_autocast
+from creditrl.workers.precision import autocast_choice, resolve_autocast
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -109,6 +109,7 @@ class RLTrainer:
         self.health = FirstMinibatchMonitor.for_autocast(
             resolve_autocast(cfg.actor.autocast, device)
         )
+        self.console.print(f"[dim]{escape(autocast_choice(cfg.actor.autocast, device))}[/dim]")
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AUTOCAST_CHOICES", "cpu_has_native_bf16", "resolve_autocast"]
+__all__ = ["AUTOCAST_CHOICES", "autocast_choice", "cpu_has_native_bf16", "resolve_autocast"]
 
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -42,3 +42,17 @@ def resolve_autocast(setting: str, device: str) -> str:
     if device == "cuda":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "none"
     return "bf16" if device == "cpu" and cpu_has_native_bf16() else "none"
+
+
+def autocast_choice(setting: str, device: str) -> str:
+    """One line saying what ``actor.autocast`` resolved to on ``device`` and, for 'auto' on a
+    CPU, which flags decided it (printed at start-up: a speed choice made by CPU flags)."""
+    chosen = resolve_autocast(setting, device)
+    if setting != "auto" or device != "cpu":
+        return f"actor.autocast={setting}: the update runs in {chosen} on {device}"
+    why = (
+        f"this CPU multiplies bf16 natively ({' or '.join(_BF16_FLAGS)})"
+        if chosen == "bf16"
+        else f"this CPU lacks {' and '.join(_BF16_FLAGS)}, where bf16 is slower than float32"
+    )
+    return f"actor.autocast=auto: the update runs in {chosen} on cpu, as {why}"
