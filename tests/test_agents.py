@@ -84,11 +84,24 @@ def test_parse_tool_calls() -> None:
     )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls[:2]] == [("a", {"x": 1}), ("b", {"y": 2})]
-    assert "invalid JSON" in calls[2].error
+    assert calls[2].error.startswith("invalid <tool_call>: not JSON: Expecting")
     assert 'must be {"name"' in calls[3].error
     assert calls[4].error == "<tool_call> is never closed by </tool_call>"
     assert parse_tool_calls("<answer>3</answer>") == []
     assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call>')[0].arguments == {}
+
+
+@pytest.mark.parametrize("inner", ["[" * 50_000 + "]" * 50_000, "[]," * 20_000 + "1"])
+def test_deep_or_wide_tool_call_json_is_an_error_call(inner: str) -> None:
+    """Model-written JSON nested 50,000 deep (before: a RecursionError that ended the run) or
+    of 40,000 elements is a malformed call, in the block and in an arguments string."""
+    for text in (
+        f'<tool_call>{{"name": "a", "arguments": [{inner}]}}</tool_call>',
+        f'<tool_call>{{"name": "a", "arguments": "[{inner}]"}}</tool_call>',
+        f"<tool_call>[{inner}]</tool_call>",
+    ):
+        (call,) = parse_tool_calls(text)
+        assert not call.ok and "above the limit of" in call.error, call.error
 
 
 def test_chat_format_renders_only_the_new_tool_messages(tok) -> None:

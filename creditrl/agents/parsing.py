@@ -8,7 +8,8 @@ Tool calls use the Hermes / Qwen format::
 omitted (no arguments). Each call object gives one ``ParsedCall`` (a block may hold a JSON list
 of them, SmolLM2's format); a block that is not valid JSON, not an object with a string
 ``name``, or never closed gives a call with ``error`` set (the loop turns it into an error
-observation).
+observation). A block is decoded only within ``CALL_LIMITS`` (bytes, nesting depth, elements):
+model-written JSON nested thousands deep would otherwise end the run in a RecursionError.
 """
 
 from __future__ import annotations
@@ -18,12 +19,22 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
 from creditrl.rewards.scorers import extract_answer
 
-__all__ = ["TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ParsedCall", "extract_answer", "parse_tool_calls"]
+__all__ = [
+    "CALL_LIMITS",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "ParsedCall",
+    "extract_answer",
+    "parse_tool_calls",
+]
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+# One <tool_call> block's JSON, and an arguments string inside it.
+CALL_LIMITS = JsonLimits(max_bytes=1 << 16, max_depth=16, max_items=10_000)
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
@@ -44,9 +55,9 @@ class ParsedCall:
 def _parse_block(raw: str) -> ParsedCall:
     body = raw.strip()
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return ParsedCall(None, None, raw, f"invalid JSON in <tool_call>: {e.msg} at char {e.pos}")
+        obj = loads_bounded(body, CALL_LIMITS)
+    except JsonLimitError as e:
+        return ParsedCall(None, None, raw, f"invalid <tool_call>: {e}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ParsedCall(
             None, None, raw, 'a tool call must be {"name": <string>, "arguments": {...}}'
@@ -54,9 +65,9 @@ def _parse_block(raw: str) -> ParsedCall:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return ParsedCall(obj["name"], None, raw, f"arguments string is not JSON: {e.msg}")
+            arguments = loads_bounded(arguments, CALL_LIMITS) if arguments.strip() else {}
+        except JsonLimitError as e:
+            return ParsedCall(obj["name"], None, raw, f"invalid arguments string: {e}")
     if arguments is None:
         arguments = {}
     return ParsedCall(obj["name"], arguments, raw)
@@ -65,8 +76,8 @@ def _parse_block(raw: str) -> ParsedCall:
 def _parse_blocks(raw: str) -> list[ParsedCall]:
     """One block: a call object, or a JSON list of call objects (several calls)."""
     try:
-        obj = json.loads(raw.strip())
-    except json.JSONDecodeError:
+        obj = loads_bounded(raw.strip(), CALL_LIMITS)
+    except JsonLimitError:
         return [_parse_block(raw)]
     if isinstance(obj, list) and obj:
         return [_parse_block(json.dumps(item)) for item in obj]

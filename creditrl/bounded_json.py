@@ -1,0 +1,86 @@
+"""JSON from outside (model-written tool calls, peer messages, data rows, scorer results),
+decoded only after its size is known to be bounded.
+
+``json.loads`` recurses once per nesting level (a few thousand ``[`` end in a RecursionError
+that takes the caller down) and builds one Python object per element (``[[],[],...]`` holds
+~60 bytes of memory per 3 bytes of text). So before decoding, ``loads_bounded`` checks the
+text's bytes, then its nesting depth and element count, read from its skeleton: the text with
+every string literal cut out by one regular expression, then bracket and comma counts over a
+numpy view of the bytes. Every step runs in C, in time linear in the bytes, and holds at most
+a few bytes per input byte. A text over a limit raises ``JsonLimitError`` (a ``ValueError``)
+naming the measure, its value and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["JsonLimitError", "JsonLimits", "json_shape", "loads_bounded"]
+
+# A JSON string literal, unrolled so that the engine loops without backtracking; one never
+# closed runs to the end (else each later quote would rescan the rest: quadratic time).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.DOTALL)
+_CHUNK = 1 << 16
+
+
+class JsonLimitError(ValueError):
+    """A JSON text over one of its limits (bytes, depth, elements), or not JSON at all."""
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """How large a JSON text may be: bytes of UTF-8, nesting depth (a bare value is 0, ``[1]``
+    is 1) and elements (containers plus their members, an upper bound counted on the text)."""
+
+    max_bytes: int
+    max_depth: int = 32
+    max_items: int = 100_000
+
+
+def json_shape(data: bytes) -> tuple[int, int]:
+    """(depth, elements) of the JSON text ``data``, without decoding it. Depth is the deepest
+    running count of opening minus closing brackets outside strings; elements counts the
+    containers and the commas and colons between members, plus one (an upper bound of the
+    values the decoder would build). Counted in chunks of ``_CHUNK`` bytes, so the work
+    arrays stay small whatever the size of ``data``."""
+    skeleton = np.frombuffer(_STRING.sub(b'""', data), dtype=np.uint8)
+    depth = deepest = 0
+    items = 1
+    for start in range(0, len(skeleton), _CHUNK):
+        chunk = skeleton[start : start + _CHUNK]
+        opens = (chunk == ord("[")) | (chunk == ord("{"))
+        closes = (chunk == ord("]")) | (chunk == ord("}"))
+        running = np.cumsum(opens.view(np.int8) - closes.view(np.int8), dtype=np.int64)
+        deepest = max(deepest, depth + int(running.max()))
+        depth += int(running[-1])
+        items += int(np.count_nonzero(opens))
+        items += int(np.count_nonzero((chunk == ord(",")) | (chunk == ord(":"))))
+    return deepest, items
+
+
+def loads_bounded(data: str | bytes, limits: JsonLimits, allow_nan: bool = True) -> Any:
+    """``json.loads(data)`` once ``data`` is within ``limits``; else ``JsonLimitError``. With
+    ``allow_nan=False``, NaN and Infinity are refused too. Invalid JSON raises
+    ``JsonLimitError`` with the decoder's message, so callers handle one exception type."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(raw) > limits.max_bytes:
+        raise JsonLimitError(f"{len(raw)} bytes, above the limit of {limits.max_bytes}")
+    depth, items = json_shape(raw)
+    if depth > limits.max_depth:
+        raise JsonLimitError(f"nested {depth} deep, above the limit of {limits.max_depth}")
+    if items > limits.max_items:
+        raise JsonLimitError(f"{items} elements, above the limit of {limits.max_items}")
+    constant = None if allow_nan else _refuse_constant
+    try:
+        return json.loads(raw, parse_constant=constant)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise JsonLimitError(f"not JSON: {' '.join(str(err).split())[:200]}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
