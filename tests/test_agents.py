@@ -84,7 +84,7 @@ def test_parse_tool_calls() -> None:
     )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls[:2]] == [("a", {"x": 1}), ("b", {"y": 2})]
-    assert calls[2].error.startswith("invalid <tool_call>: not JSON: Expecting")
+    assert "invalid JSON" in calls[2].error
     assert 'must be {"name"' in calls[3].error
     assert calls[4].error == "<tool_call> is never closed by </tool_call>"
     assert parse_tool_calls("<answer>3</answer>") == []

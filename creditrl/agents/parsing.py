@@ -56,8 +56,10 @@ def _parse_block(raw: str) -> ParsedCall:
     body = raw.strip()
     try:
         obj = loads_bounded(body, CALL_LIMITS)
+    except json.JSONDecodeError as e:
+        return ParsedCall(None, None, raw, f"invalid JSON in <tool_call>: {e.msg} at char {e.pos}")
     except JsonLimitError as e:
-        return ParsedCall(None, None, raw, f"invalid <tool_call>: {e}")
+        return ParsedCall(None, None, raw, f"<tool_call> JSON {e}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ParsedCall(
             None, None, raw, 'a tool call must be {"name": <string>, "arguments": {...}}'
@@ -66,8 +68,10 @@ def _parse_block(raw: str) -> ParsedCall:
     if isinstance(arguments, str):
         try:
             arguments = loads_bounded(arguments, CALL_LIMITS) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return ParsedCall(obj["name"], None, raw, f"arguments string is not JSON: {e.msg}")
         except JsonLimitError as e:
-            return ParsedCall(obj["name"], None, raw, f"invalid arguments string: {e}")
+            return ParsedCall(obj["name"], None, raw, f"arguments string JSON {e}")
     if arguments is None:
         arguments = {}
     return ParsedCall(obj["name"], arguments, raw)
@@ -77,7 +81,7 @@ def _parse_blocks(raw: str) -> list[ParsedCall]:
     """One block: a call object, or a JSON list of call objects (several calls)."""
     try:
         obj = loads_bounded(raw.strip(), CALL_LIMITS)
-    except JsonLimitError:
+    except ValueError:
         return [_parse_block(raw)]
     if isinstance(obj, list) and obj:
         return [_parse_block(json.dumps(item)) for item in obj]
