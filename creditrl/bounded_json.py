@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["JsonLimitError", "JsonLimits", "json_shape", "loads_bounded"]
+__all__ = ["RUN_RECORD_LIMITS", "JsonLimitError", "JsonLimits", "json_shape", "loads_bounded"]
 
 # A JSON string literal, unrolled so that the engine loops without backtracking; one never
 # closed runs to the end (else each later quote would rescan the rest: quadratic time).
@@ -40,6 +40,11 @@ class JsonLimits:
     max_bytes: int
     max_depth: int = 32
     max_items: int = 100_000
+
+
+# One line of a run's own JSONL files (metrics.jsonl, rollouts/step_*.jsonl), read back by
+# report, explain and resume: a dumped row of a 32k-token response holds ~0.5M values.
+RUN_RECORD_LIMITS = JsonLimits(max_bytes=1 << 26, max_depth=64, max_items=1 << 22)
 
 
 def json_shape(data: bytes) -> tuple[int, int]:

@@ -11,7 +11,6 @@ clip flag are computed on the dumped token ids.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
 from creditrl.config import Config
 from creditrl.config.loader import load_config
 from creditrl.inspect.compute import Settings, derive, rewards_from_scores, to_views
@@ -79,8 +79,8 @@ def step_metrics(run_dir: Path, step: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = loads_bounded(line, RUN_RECORD_LIMITS)
+        except ValueError:
             continue
         if isinstance(row, dict) and row.get("step") == step:
             found = row

@@ -2,16 +2,18 @@
 
 Each line is ``{"step", "time", **metrics}`` (creditrl.tracking.sinks.JsonlSink). A last line
 without its newline is a record being written and is left out; any other unreadable line is
-counted and left out. A step logged twice (a resumed run) keeps its last record.
+counted and left out, as is one over ``RUN_RECORD_LIMITS``. A step logged twice (a resumed
+run) keeps its last record.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
 
 __all__ = ["MetricsLog", "read_metrics"]
 
@@ -63,9 +65,9 @@ def read_metrics(path: str | Path) -> MetricsLog:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_bounded(line, RUN_RECORD_LIMITS)
             step = int(row["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             if lineno == len(lines):
                 log.partial_last_line = True
             else:

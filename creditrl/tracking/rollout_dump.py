@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from creditrl.batch import Batch
+from creditrl.bounded_json import RUN_RECORD_LIMITS, JsonLimitError, loads_bounded
 from creditrl.tracking.metrics import response_info
 
 __all__ = ["PER_TOKEN_FIELDS", "RolloutDumper", "load_rollout_dump"]
@@ -180,7 +181,9 @@ def load_rollout_dump(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno} is not valid JSON: {e}") from e
+                rows.append(loads_bounded(line, RUN_RECORD_LIMITS))
+            except JsonLimitError as e:
+                raise ValueError(f"{path} line {lineno} is too large: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"{path} line {lineno} is not valid JSON: {e}") from None
     return rows

@@ -17,6 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
+from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
+
 __all__ = ["LOGGERS", "JsonlSink", "Tracker", "truncate_jsonl"]
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,8 @@ def truncate_jsonl(path: Path, step: int) -> int:
         if not line.strip():
             continue
         try:
-            row_step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            row_step = loads_bounded(line, RUN_RECORD_LIMITS)["step"]
+        except (KeyError, TypeError, ValueError):
             log.warning("%s line %d is not a metrics record; dropped on resume", path, lineno)
             dropped += 1
             continue
