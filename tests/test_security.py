@@ -11,21 +11,31 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import os
 import re
+import signal
 import socket
+import struct
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from creditrl.errors import ConfigError, UserError
-from creditrl.tools import build_registry
+from creditrl.tools import ToolResult, build_registry
 from creditrl.tools import bwrap as bwrap_module
+from creditrl.tools import python_sandbox as python_sandbox_module
 from creditrl.tools.bwrap import ENV, NOT_FOUND, bwrap_problem
 from creditrl.tools.python_sandbox import PythonSandbox, python_tool
+from creditrl.tools.seccomp_filter import seccomp_program, syscall_number
 
 # ---------------------------------------------------------------------------------------------
 # Sandbox: the python tool's bubblewrap sandbox against escape attempts
@@ -191,6 +201,79 @@ attempt("unshare mount", lambda: libc.unshare(0x00020000) or "succeeded")
 attempt("mount tmpfs", lambda: libc.mount(b"none", b"/work", b"tmpfs", 0, None) or "succeeded")
 """
 
+# Raw system calls by name (numbers in ARGS["nr"]): call(name, *args) is the result, or -errno.
+_SYSCALL_HELPER = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(name, *args):
+    args = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = libc.syscall(ctypes.c_long(ARGS["nr"][name]), *args)
+    return result if result >= 0 else -ctypes.get_errno()
+"""
+
+# The caller's keys (ids and descriptions in ARGS): read, find, plant, then revoke.
+ESCAPE_KEYRINGS = """
+SESSION, USER, buf = -3, -4, ctypes.create_string_buffer(4096)
+for name, key in ARGS["keys"].items():
+    desc = ARGS["descs"][name]
+    print(f"read {name}: {call('keyctl', 11, key, buf, 4096)} {buf.raw[:64]!r}")
+    print(f"describe {name}: {call('keyctl', 6, key, buf, 4096)}")
+    print(f"search {name}: {call('keyctl', 10, SESSION, b'user', desc, 0)}")
+    print(f"request_key {name}: {call('request_key', b'user', desc, None, 0)}")
+for ring, ring_id in (("session", SESSION), ("user", USER)):
+    print(f"keyring id {ring}: {call('keyctl', 0, ring_id, 0)}")
+    print(f"plant in {ring}: {call('add_key', b'user', b'planted', b'x', 1, ring_id)}")
+    print(f"clear {ring}: {call('keyctl', 7, ring_id)}")
+print(f"join named: {call('keyctl', 1, b'creditrl-planted')}")
+for name, key in ARGS["keys"].items():
+    print(f"setperm {name}: {call('keyctl', 5, key, 0x3F3F3F3F)}")
+    print(f"unlink {name}: {call('keyctl', 9, key, SESSION)}")
+    print(f"invalidate {name}: {call('keyctl', 21, key)}")
+    print(f"revoke {name}: {call('keyctl', 3, key)}")
+"""
+
+# Each named system call with harmless arguments (ARGS["args"]), then the filter state.
+ESCAPE_SYSCALLS = """
+for name in ARGS["names"]:
+    result = call(name, *ARGS["args"][name])
+    if result == 0 and name == "clone":
+        os._exit(0)  # a clone that went through: the child leaves at once
+    print(f"{name}: {result}")
+status = dict(line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines())
+print(f"filter: {status['Seccomp']} {status['NoNewPrivs']}")
+"""
+
+# Ordinary standard-library work under the filter, in the interpreter and in a child of it.
+NORMAL_CODE = """
+import json, math, subprocess, threading, socket, asyncio, hashlib, shutil, concurrent.futures
+print("json:", json.dumps({"root": math.sqrt(16)}))
+child = "import os; print(open('/proc/self/status').read().count('Seccomp:\\t2'))"
+print("child:", subprocess.run([sys.executable, "-c", child], capture_output=True).stdout)
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    print("threads:", sum(pool.map(lambda x: x * x, range(10))))
+open("/work/notes.txt", "w").write("kept")
+shutil.copy("notes.txt", "copy.txt")
+print("files:", open("copy.txt").read(), sorted(os.listdir("/work")))
+server = socket.create_server(("127.0.0.1", 0))
+client = socket.create_connection(server.getsockname())
+server.accept()[0].sendall(b"pong")
+print("loopback:", client.recv(4))
+async def later():
+    await asyncio.sleep(0.01)
+    return hashlib.sha256(b"x").hexdigest()[:8]
+print("asyncio:", asyncio.run(later()))
+pid = os.fork()
+if pid == 0:
+    os._exit(3)
+print("fork:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(f"clone3: {call('clone3', None, 0)}")
+try:
+    print("vsock:", socket.socket(40, socket.SOCK_STREAM))
+except OSError as e:
+    print(f"vsock: ERR {e.errno}")
+"""
+
 
 def escape_code(body: str, **args: object) -> str:
     """An attempt program: the ``attempt`` helper, ``ARGS``, then ``body``."""
@@ -204,6 +287,42 @@ def sandbox_run(sandbox: PythonSandbox, *codes: str) -> list[str | BaseException
         return await asyncio.gather(*(sandbox.run(c) for c in codes), return_exceptions=True)
 
     return asyncio.run(runs())
+
+
+def registry_run(*codes: str) -> list[ToolResult]:
+    """Each code's result from the default python tool, called as the agent loop calls it."""
+    registry = build_registry(["python"])
+
+    async def runs():
+        return await asyncio.gather(*(registry.call("python", {"code": c}) for c in codes))
+
+    return asyncio.run(runs())
+
+
+def host_call(name: str, *args: int | bytes | None) -> int:
+    """The system call ``name`` made by this (the caller's) process: its result, or -errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    values = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = libc.syscall(ctypes.c_long(syscall_number(name)), *values)
+    return result if result >= 0 else -ctypes.get_errno()
+
+
+def keyring_ids(keyring: int) -> list[int]:
+    """The ids of the keys in one of this process's keyrings (``-3``: session, ``-4``: user)."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    size = max(host_call("keyctl", 11, keyring, ctypes.addressof(buf), len(buf)), 0)
+    return list(struct.unpack(f"{size // 4}i", buf.raw[:size]))
+
+
+def keyring_descriptions(keyring: int) -> list[str]:
+    """The descriptions of the keys in one of this process's keyrings that it may view."""
+    found = []
+    for key in keyring_ids(keyring):
+        text = ctypes.create_string_buffer(4096)
+        if host_call("keyctl", 6, key, ctypes.addressof(text), len(text)) > 0:
+            found.append(text.value.decode().rsplit(";", 1)[-1])
+    return found
 
 
 def sandbox_text(result: str | BaseException) -> str:
@@ -401,10 +520,10 @@ def test_sandbox_leaves_no_process_behind(tmp_path: Path) -> None:
         return await asyncio.gather(call(0.0), call(60.0), watch())
 
     ended, timed_out, _ = asyncio.run(runs())
-    assert ended[0].startswith("main: done in pid:[") and ended[1] < 1.5
+    assert ended[0].startswith("main: done in pid:[")
     assert ended[2] == ended[3] == []
     assert isinstance(timed_out[0], TimeoutError) and "ran past 1.5s" in str(timed_out[0])
-    assert timed_out[1] < 1.5 + 1.0 and timed_out[2] == []
+    assert timed_out[2] == []
     assert len(seen_during) == 1  # the daemon of the call that timed out, while it ran
     time.sleep(1.2)
     assert marked_processes() == [] and not marker_file.exists()
@@ -466,6 +585,167 @@ def test_sandbox_observations() -> None:
     assert isinstance(spin, TimeoutError) and "1.5s" in str(spin)
 
 
+def keyring_attempts() -> dict[str, Any]:
+    """ESCAPE_KEYRINGS against a secret in this (the caller's) session keyring and one in its
+    user keyring, linked into the session keyring as at login and both readable only by a
+    possessor: the tool's result, whether each key still holds the secret afterwards, and
+    the descriptions in the caller's keyrings and their ids then. Skips where keyrings cannot
+    be used."""
+    session, user, secret = -3, -4, SANDBOX_SECRET.encode()
+    descs = {name: f"{SANDBOX_MARKER}-{name}".encode() for name in ("session", "user")}
+    keys = {
+        name: host_call("add_key", b"user", descs[name], secret, len(secret), ring)
+        for name, ring in (("session", session), ("user", user))
+    }
+    linked = host_call("keyctl", 0, user, 0) not in keyring_ids(session)
+    try:
+        if min(keys.values()) < 0:
+            pytest.skip(f"this process cannot use kernel keyrings (add_key: {keys})")
+        if linked:
+            host_call("keyctl", 8, user, session)  # KEYCTL_LINK
+        for key in keys.values():
+            host_call("keyctl", 5, key, 0x3F000000)  # KEYCTL_SETPERM: possessor only
+        nr = {name: syscall_number(name) for name in ("keyctl", "add_key", "request_key")}
+        code = escape_code(_SYSCALL_HELPER + ESCAPE_KEYRINGS, nr=nr, keys=keys, descs=descs)
+        (result,) = registry_run(code)
+        buf = ctypes.create_string_buffer(4096)
+        kept = {
+            name: host_call("keyctl", 11, key, ctypes.addressof(buf), len(buf)) == len(secret)
+            and buf.raw[: len(secret)] == secret
+            for name, key in keys.items()
+        }
+        descriptions = keyring_descriptions(session) + keyring_descriptions(user)
+        rings = {
+            name: host_call("keyctl", 0, ring, 0) for name, ring in (("s", session), ("u", user))
+        }
+    finally:
+        for key in keys.values():
+            if key > 0:
+                host_call("keyctl", 21, key)  # KEYCTL_INVALIDATE
+        if linked:
+            host_call("keyctl", 9, user, session)  # KEYCTL_UNLINK
+    assert result.status == "ok", result.output
+    assert SANDBOX_SECRET not in result.output
+    found = escape_results(result.output)
+    return {"found": found, "kept": kept, "descriptions": descriptions, "rings": rings}
+
+
+@needs_bwrap
+def test_sandbox_cannot_reach_callers_keyrings() -> None:
+    """Pins: model code cannot read, find, describe or request the caller's keys (in its
+    session keyring, and in its user keyring linked there), learn its keyrings' ids, plant a
+    key in either keyring, join a named keyring, or revoke, invalidate, unlink,
+    re-permission or clear anything: each call fails with EPERM; afterwards the caller's keys
+    hold their secret and no planted key is in its keyrings."""
+    outcome = keyring_attempts()
+    found = outcome["found"]
+    assert len(found) == 23 and all(v.split()[0] == str(-errno.EPERM) for v in found.values())
+    assert outcome["kept"] == {"session": True, "user": True}
+    assert not {"planted", "creditrl-planted"} & set(outcome["descriptions"])
+
+
+@contextlib.contextmanager
+def _seccomp_file_allowing_all() -> Iterator[int]:
+    """In place of ``bwrap.seccomp_file``: a filter that allows every system call."""
+    import pyseccomp
+
+    with tempfile.TemporaryFile() as file:
+        pyseccomp.SyscallFilter(pyseccomp.ALLOW).export_bpf(file)
+        file.seek(0)
+        yield file.fileno()
+
+
+@needs_bwrap
+def test_sandbox_joins_a_fresh_session_keyring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins: the second layer: with a filter that allows every call, model code still does not
+    possess the caller's keys: its session keyring is a fresh one (another id than the
+    caller's keyrings), reading, describing, revoking, invalidating or re-permissioning the
+    caller's keys fails with EACCES, searching for them finds nothing, and afterwards they
+    hold their secret and nothing planted is in the caller's keyrings."""
+    monkeypatch.setattr(python_sandbox_module, "seccomp_file", _seccomp_file_allowing_all)
+    outcome = keyring_attempts()
+    found = outcome["found"]
+    assert int(found["keyring id session"]) > 0
+    assert int(found["keyring id session"]) not in outcome["rings"].values()
+    for name in ("session", "user"):
+        for op in ("read", "describe", "setperm", "invalidate", "revoke"):
+            assert found[f"{op} {name}"].split()[0] == str(-errno.EACCES), found
+        assert found[f"unlink {name}"] == str(-errno.ENOENT)  # not in its session keyring
+        assert found[f"search {name}"] == found[f"request_key {name}"] == str(-errno.ENOKEY)
+    assert outcome["kept"] == {"session": True, "user": True}
+    assert not {"planted", "creditrl-planted"} & set(outcome["descriptions"])
+
+
+# The families of system calls the filter refuses with EPERM, each with the calls to try
+# (with all-zero arguments unless REFUSED_ARGS says otherwise).
+REFUSED_FAMILIES = {
+    "keyrings": ["keyctl", "add_key", "request_key"],
+    "ptrace": ["ptrace", "process_vm_readv", "process_vm_writev"],
+    "bpf": ["bpf"],
+    "perf_event_open": ["perf_event_open"],
+    "userfaultfd": ["userfaultfd"],
+    "io_uring": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+    "kexec": ["kexec_load", "kexec_file_load"],
+    "mount": [
+        *("mount", "umount2", "pivot_root", "fsopen", "fsmount", "fsconfig", "move_mount"),
+        *("open_tree", "mount_setattr"),
+    ],
+    "namespaces": ["unshare", "setns", "clone"],
+    "modules": ["init_module", "finit_module", "delete_module"],
+    "swap": ["swapon", "swapoff"],
+    "reboot": ["reboot"],
+    "acct": ["acct"],
+    "quotactl": ["quotactl"],
+    "syslog": ["syslog"],
+    "personality": ["personality"],
+}
+CLONE_NEWUSER = 0x10000000
+REFUSED_ARGS = {
+    "personality": [0xFFFFFFFF],  # a query: it would succeed without the filter
+    "unshare": [CLONE_NEWUSER],
+    "clone": [CLONE_NEWUSER | signal.SIGCHLD, 0, 0, 0, 0],
+}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("family", sorted(REFUSED_FAMILIES))
+def test_sandbox_refuses_system_call_family(family: str) -> None:
+    """Pins: model code that calls a refused system call through ctypes gets EPERM (a normal
+    Python error, not a killed process), one test per family; its process runs under a seccomp
+    filter (Seccomp: 2) with no_new_privs set."""
+    names = REFUSED_FAMILIES[family]
+    nr = {name: syscall_number(name) for name in names}
+    args = {name: REFUSED_ARGS.get(name, [0] * 6) for name in names}
+    code = escape_code(_SYSCALL_HELPER + ESCAPE_SYSCALLS, nr=nr, names=names, args=args)
+    (result,) = registry_run(code)
+    assert result.status == "ok", result.output
+    found = escape_results(result.output)
+    assert found.pop("filter") == "2 1"
+    assert found == {name: str(-errno.EPERM) for name in names}
+
+
+@needs_bwrap
+def test_sandbox_normal_code_runs_under_the_filter() -> None:
+    """Pins: ordinary code works under the filter: json and math, a child interpreter (also
+    under the filter), a thread pool, file writes and copies in /work, a loopback socket
+    inside the sandbox, asyncio, fork; clone3 fails with ENOSYS (glibc then uses clone) and a
+    socket family beyond unix, inet, inet6 and netlink with EAFNOSUPPORT."""
+    code = escape_code(_SYSCALL_HELPER + NORMAL_CODE, nr={"clone3": syscall_number("clone3")})
+    (result,) = registry_run(code)
+    assert result.status == "ok", result.output
+    assert escape_results(result.output) == {
+        "json": '{"root": 4.0}',
+        "child": "b'1\\n'",
+        "threads": "285",
+        "files": "kept ['copy.txt', 'main.py', 'notes.txt']",
+        "loopback": "b'pong'",
+        "asyncio": "2d711642",
+        "fork": "3",
+        "clone3": str(-errno.ENOSYS),
+        "vsock": f"ERR {errno.EAFNOSUPPORT}",
+    }
+
+
 def test_sandbox_refuses_to_start_without_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pins: with no bwrap on PATH the tool refuses with the one-line install-or-opt-out
     message, and isolation: none still builds the tool."""
@@ -480,6 +760,30 @@ def test_sandbox_refuses_to_start_without_bwrap(monkeypatch: pytest.MonkeyPatch)
         assert python_tool(isolation="none").name == "python"
     finally:
         bwrap_problem.cache_clear()
+
+
+def test_sandbox_refuses_to_start_without_libseccomp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins: where libseccomp cannot be found (so the system-call filter cannot be built) the
+    tool refuses with one line saying what to install, and isolation: none still builds."""
+    find_library = ctypes.util.find_library
+    monkeypatch.setattr(
+        ctypes.util, "find_library", lambda name: None if name == "seccomp" else find_library(name)
+    )
+    monkeypatch.delitem(sys.modules, "pyseccomp", raising=False)  # imported again, without it
+    monkeypatch.setattr(bwrap_module.shutil, "which", lambda name: "/usr/bin/bwrap")
+    bwrap_problem.cache_clear()
+    seccomp_program.cache_clear()
+    try:
+        with pytest.raises(UserError) as refused:
+            python_tool()
+        message = str(refused.value)
+        assert message.startswith("python tool: cannot build the sandbox's system-call filter")
+        assert "Unable to find libseccomp" in message and "apt-get install libseccomp2" in message
+        assert "\n" not in message and "isolation: none" in message
+        assert python_tool(isolation="none").name == "python"
+    finally:
+        bwrap_problem.cache_clear()
+        seccomp_program.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ namespaces (``--disable-userns``: no private mounts that could dodge the size of
 its own network (loopback only), IPC, UTS and cgroup namespaces, a new session, and an empty
 environment but for ``ENV``. The interpreter is the PID namespace's init (``--as-pid-1``): when
 it exits or is killed, the kernel kills every other process of the namespace before bwrap
-sees the exit, so nothing of a call outlives it.
+sees the exit, so nothing of a call outlives it. A seccomp filter
+(``creditrl.tools.seccomp_filter``), which bwrap loads with ``--seccomp`` after setting
+no_new_privs, binds the interpreter and every process it starts.
 
 The user namespace maps the sandbox's uid to the invoking user. For root that would be root,
 whom the kernel exempts from ``RLIMIT_NPROC``; so a root caller first enters an outer bwrap
@@ -18,6 +20,7 @@ that shows only what the sandbox needs and drops to uid/gid 65534, then starts t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,7 +28,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+from creditrl.tools.seccomp_filter import seccomp_program
 
 __all__ = [
     "ENV",
@@ -36,6 +42,7 @@ __all__ = [
     "bwrap_problem",
     "read_init_pid",
     "sandbox_python",
+    "seccomp_file",
 ]
 
 SANDBOX_ID = 65534
@@ -55,7 +62,7 @@ NOT_FOUND = (
     "python tool: bubblewrap (bwrap) not found; install it with `apt-get install bubblewrap`, "
     + _UNSAFE
 )
-_NEEDED_OPTIONS = ("--size", "--disable-userns", "--info-fd", "--remount-ro")
+_NEEDED_OPTIONS = ("--size", "--disable-userns", "--info-fd", "--remount-ro", "--seccomp")
 _LIB_DIRS = ("/usr/lib", "/usr/lib64")
 _LIB_LINKS = ("/lib", "/lib64")
 # The outer layer (root callers only) drops to SANDBOX_ID, then execs the sandbox's bwrap.
@@ -105,8 +112,25 @@ def _lib_links() -> list[str]:
     return args
 
 
+@contextlib.contextmanager
+def seccomp_file() -> Iterator[int]:
+    """The descriptor of a temporary file holding the seccomp filter's BPF program, read from
+    its start (for ``bwrap_command``); ValueError (one line) where libseccomp is missing."""
+    program = seccomp_program()
+    with tempfile.TemporaryFile() as file:
+        file.write(program)
+        file.flush()
+        file.seek(0)
+        yield file.fileno()
+
+
 def _inner(
-    bwrap: str, python_argv: list[str], disk_bytes: int, code_fd: int, info_fd: int
+    bwrap: str,
+    python_argv: list[str],
+    disk_bytes: int,
+    code_fd: int,
+    info_fd: int,
+    seccomp_fd: int,
 ) -> list[str]:
     """The sandbox's own bwrap command line (see the module docstring)."""
     ids = str(SANDBOX_ID)
@@ -123,7 +147,7 @@ def _inner(
     args += ["--perms", "0700", "--size", str(disk_bytes), "--tmpfs", WORKDIR]
     args += ["--perms", "0600", "--file", str(code_fd), f"{WORKDIR}/main.py"]
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR]
-    args += ["--info-fd", str(info_fd), "--", *python_argv]
+    args += ["--info-fd", str(info_fd), "--seccomp", str(seccomp_fd), "--", *python_argv]
     return args
 
 
@@ -147,16 +171,19 @@ def _outer(bwrap: str) -> list[str]:
     return [*args, "--", sandbox_python(), "-I", "-S", "-c", _DROP]
 
 
-def bwrap_command(python_argv: list[str], disk_bytes: int, code_fd: int, info_fd: int) -> list[str]:
+def bwrap_command(
+    python_argv: list[str], disk_bytes: int, code_fd: int, info_fd: int, seccomp_fd: int
+) -> list[str]:
     """The command that runs ``python_argv`` (absolute interpreter path first) in the sandbox.
 
     ``code_fd`` is read into ``/work/main.py``; bwrap writes ``{"child-pid": ...}`` (the
-    sandbox's init, as seen from here) to ``info_fd``. Both must be passed to the child.
+    sandbox's init, as seen from here) to ``info_fd`` and loads the filter from ``seccomp_fd``
+    (a ``seccomp_file()``). All three must be passed to the child.
     """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise ValueError(NOT_FOUND)
-    inner = _inner(bwrap, python_argv, disk_bytes, code_fd, info_fd)
+    inner = _inner(bwrap, python_argv, disk_bytes, code_fd, info_fd, seccomp_fd)
     return [*_outer(bwrap), *inner] if os.geteuid() == 0 else inner
 
 
@@ -174,10 +201,15 @@ def read_init_pid(info_fd: int) -> int | None:
 @functools.cache
 def bwrap_problem() -> str | None:
     """Why the sandbox cannot run here (one line, what to do), or None when it can: bwrap is
-    missing, too old, or fails to start a sandbox that prints from Python."""
+    missing or too old, libseccomp is missing, or bwrap fails to start a sandbox (with the
+    seccomp filter) that prints from Python."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return NOT_FOUND
+    try:
+        seccomp_program()
+    except ValueError as e:
+        return str(e)
     helptext = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False)
     missing = [opt for opt in _NEEDED_OPTIONS if opt not in helptext.stdout + helptext.stderr]
     if missing:
@@ -187,20 +219,20 @@ def bwrap_problem() -> str | None:
         )
     try:
         argv = [sandbox_python(), "-I", "-S", "-c", "print(open('main.py').read())"]
-        with tempfile.TemporaryFile() as code:
+        with tempfile.TemporaryFile() as code, seccomp_file() as seccomp_fd:
             code.write(b"ok")
             code.flush()
             code.seek(0)
             read_end, write_end = os.pipe()
             try:
-                cmd = bwrap_command(argv, 1 << 20, code.fileno(), write_end)
+                fds = (code.fileno(), write_end, seccomp_fd)
                 result = subprocess.run(
-                    cmd,
+                    bwrap_command(argv, 1 << 20, *fds),
                     env={},
                     capture_output=True,
                     text=True,
                     timeout=30,
-                    pass_fds=(code.fileno(), write_end),
+                    pass_fds=fds,
                     check=False,
                 )
             finally:

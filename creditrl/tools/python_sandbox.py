@@ -18,7 +18,10 @@ bubblewrap sandbox (``creditrl.tools.bwrap``) where, as tests/test_security.py s
   sandbox's PID namespace, so when it ends (or the wall-clock timeout kills it) the kernel
   kills the rest of the namespace before bwrap reports the exit;
 - output is capped at ``max_output_chars`` (stdout, then stderr; the sandbox is killed when
-  the cap is passed).
+  the cap is passed);
+- the caller's kernel keyrings are out of reach: the bootstrap joins a fresh anonymous session
+  keyring, and a seccomp filter (``creditrl.tools.seccomp_filter``) refuses every other keyring
+  call, and the system calls the code has no use for (mounts, namespaces, ptrace, bpf, ...).
 
 The sandbox shares the host kernel: a kernel exploit is out of scope, and so is contention
 (a call may use up to ``max_processes`` × ``memory_mb`` of memory plus ``max_disk_mb``).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import signal
@@ -43,8 +47,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from creditrl.errors import ConfigError, UserError
-from creditrl.tools.bwrap import bwrap_command, bwrap_problem, read_init_pid, sandbox_python
+from creditrl.tools.bwrap import (
+    bwrap_command,
+    bwrap_problem,
+    read_init_pid,
+    sandbox_python,
+    seccomp_file,
+)
 from creditrl.tools.registry import Tool
+from creditrl.tools.seccomp_filter import KEYCTL_JOIN_SESSION_KEYRING, syscall_number
 
 __all__ = ["ISOLATIONS", "PythonSandbox", "python_tool"]
 
@@ -52,12 +63,17 @@ ERR_CAP = 1 << 16
 ISOLATIONS = ("bwrap", "none")
 KILL_GRACE_S = 1.0
 
-# isolation "bwrap": the limits, then the user's code. Formatted with [(resource, limits)].
+# isolation "bwrap": a fresh anonymous session keyring (so the caller's session keyring and
+# its keys are not possessed; ENOSYS: a kernel without keyrings), the limits, then the user's
+# code. Formatted with the keyctl numbers and [(resource, limits)].
 _LIMITS = r"""
-import resource as _r
+import ctypes as _c, resource as _r
+if _c.CDLL(None, use_errno=True).syscall(_c.c_long({keyctl}), _c.c_long({join}), None) < 0:
+    if _c.get_errno() != {enosys}:
+        raise SystemExit(f"sandbox: cannot join a fresh session keyring (errno {{_c.get_errno()}})")
 for _k, _v in {limits!r}:
     _r.setrlimit(_k, _v)
-del _r, _k, _v
+del _c, _r, _k, _v
 _code = open("main.py", encoding="utf-8").read()
 exec(compile(_code, "main.py", "exec"), {{"__name__": "__main__"}})
 """
@@ -137,7 +153,12 @@ def _limits_bootstrap(sandbox: PythonSandbox) -> str:
     ]
     if sandbox.memory_mb > 0:
         limits.append((resource.RLIMIT_AS, (sandbox.memory_mb * 1024 * 1024,) * 2))
-    return _LIMITS.format(limits=limits)
+    return _LIMITS.format(
+        keyctl=syscall_number("keyctl"),
+        join=KEYCTL_JOIN_SESSION_KEYRING,
+        enosys=errno.ENOSYS,
+        limits=limits,
+    )
 
 
 def _check_int(name: str, value: object, least: int) -> int:
@@ -218,7 +239,7 @@ class PythonSandbox:
         """``code`` as ``/work/main.py`` in the bubblewrap sandbox; stopping it kills the
         sandbox's init, which takes every other process of the call with it."""
         argv = [sandbox_python(), "-I", "-S", "-c", _limits_bootstrap(self)]
-        with tempfile.TemporaryFile() as code_file:
+        with tempfile.TemporaryFile() as code_file, seccomp_file() as seccomp_fd:
             code_file.write(code.encode("utf-8"))
             code_file.flush()
             code_file.seek(0)
@@ -232,7 +253,7 @@ class PythonSandbox:
                 return init_pid[0] if init_pid else None
 
             try:
-                fds = (code_file.fileno(), write_end)
+                fds = (code_file.fileno(), write_end, seccomp_fd)
                 cmd = bwrap_command(argv, self.max_disk_mb * 1024 * 1024, *fds)
                 return await self._execute(cmd, target, env={}, pass_fds=fds)
             finally:
