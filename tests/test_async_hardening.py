@@ -29,9 +29,9 @@ from creditrl.asynchronous.messages import (
     reject_message,
 )
 from creditrl.asynchronous.sampler import Sampler
-from creditrl.asynchronous.settings import max_message_bytes
+from creditrl.asynchronous.settings import inflight_groups, max_message_bytes
 from creditrl.asynchronous.transport import LearnerSocket, SamplerSocket
-from creditrl.asynchronous.validation import REASONS
+from creditrl.asynchronous.validation import REASONS, max_group_bytes
 from creditrl.batch import Batch
 from creditrl.config.schema import AsyncConfig
 from creditrl.models.tiny import tiny_model_dir
@@ -472,11 +472,11 @@ def test_a_sampler_dying_at_start_up_ends_the_run_at_once(tmp_path: Path) -> Non
     keeps the sampler's stdout and stderr in its log file."""
     crash = _fake("import sys; print('loading...'); "
                   "sys.exit('OSError: model path /nope does not exist')")  # fmt: skip
-    code, seconds, text, children = _supervise(tmp_path, SLEEP, crash)
-    assert code == 1 and seconds < 5  # sys.exit(str) exits 1
+    code, _, text, children = _supervise(tmp_path, SLEEP, crash)
+    assert code == 1  # sys.exit(str) exits 1
     assert "sampler 0 (s0) exited with code 1" in text
     assert "| OSError: model path /nope does not exist" in text
-    assert all(c.proc.poll() is not None for c in children)  # the learner was stopped
+    assert children[0].proc.returncode == -15  # the learner was stopped, not left to finish
     log = (tmp_path / "logs" / "sampler-0.log").read_text().splitlines()
     assert sorted(log) == ["OSError: model path /nope does not exist", "loading..."]
 
@@ -485,12 +485,13 @@ def test_a_killed_sampler_or_a_dead_learner_ends_the_run(tmp_path: Path) -> None
     """A sampler killed by SIGKILL mid-run: exit code 128 + 9 and the signal named. A learner
     rank failing: its code, and the samplers stopped."""
     killed = _fake("import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), 9)")
-    code, seconds, text, _ = _supervise(tmp_path / "a", SLEEP, killed)
-    assert code == 137 and seconds < 5 and "sampler 0 (s0) was killed by SIGKILL" in text
+    code, _, text, children = _supervise(tmp_path / "a", SLEEP, killed)
+    assert code == 137 and "sampler 0 (s0) was killed by SIGKILL" in text
+    assert children[0].proc.returncode == -15
     failing = _fake("import sys; print('RuntimeError: out of memory', file=sys.stderr); "
                     "sys.exit(4)")  # fmt: skip
-    code, seconds, text, children = _supervise(tmp_path / "b", failing, SLEEP)
-    assert code == 4 and seconds < 5 and "learner rank 0 exited with code 4" in text
+    code, _, text, children = _supervise(tmp_path / "b", failing, SLEEP)
+    assert code == 4 and "learner rank 0 exited with code 4" in text
     assert "| RuntimeError: out of memory" in text
     assert children[1].proc.returncode == -15  # the sampler was terminated
 
@@ -502,24 +503,119 @@ def test_a_run_that_finishes_exits_zero(tmp_path: Path) -> None:
 
 
 def test_creditrl_async_ends_when_a_sampler_cannot_start(tmp_path: Path) -> None:
-    """`creditrl async` whose sampler fails at start-up (its state_dir is a file) exits 1
-    within 30 s (before: the learner waited data_timeout_s=600 s) naming the sampler and its
-    error, with the sampler's output in its log file."""
+    """`creditrl async` whose sampler fails at start-up (its state_dir is a file) exits 1 as
+    soon as the sampler's exit is seen (before: the learner waited data_timeout_s=600 s, past
+    the 300 s this test allows a loaded machine) naming the sampler and its error, with the
+    sampler's output in its log file."""
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     args = [f"model.path={tiny_model_dir()}", *RUN, "data.train_batch_size=1", "rollout.n=2",
             "actor.ppo_mini_batch_size=1", "trainer.total_steps=2", "trainer.logger=[jsonl]",
             f"trainer.output_dir={tmp_path / 'out'}", f"asynchronous.port={free_port()}",
             f"asynchronous.state_dir={blocker}", "asynchronous.data_timeout_s=600"]  # fmt: skip
-    began = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "creditrl.cli", "async", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    seconds = time.monotonic() - began
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
-    assert seconds < 30, seconds
+    assert "asynchronous.data_timeout_s" not in output
     assert "sampler 0 (s0) exited with code 1" in output
     assert "| FileExistsError" in output or "| NotADirectoryError" in output, output[-3000:]
     assert (tmp_path / "out" / "async" / "logs" / "sampler-0.log").is_file()
+
+
+# ---- amplification: what a group holds in memory against its bytes on the wire ----------
+
+
+def _with_ground_truth(model, sid: str, seq: int, value) -> list[bytes]:
+    """Episodes frames of a valid group whose ground truth (any JSON value) is ``value``."""
+    g = make_group(model, sid, seq, 0)
+    columns = {k: list(v) for k, v in g.non_tensors.items()}
+    return frames_of(
+        Batch(dict(g.tensors), {**columns, "ground_truth": [value] * len(g)}), sid, seq
+    )
+
+
+def test_a_decoded_group_holds_no_more_than_it_is_charged(learner) -> None:
+    """The bytes a decoded group is charged (its tensors, its JSON by held_bytes, the fixed
+    overhead) cover what decoding it holds, measured by tracemalloc, for the worst shape of
+    JSON (a list of one-key dicts: ~66 bytes held per element against 128 charged)."""
+    import tracemalloc
+
+    frames = _with_ground_truth(learner.actor.model, "m0", 0, [{"a": 0}] * 600)
+    tracemalloc.start()
+    message = decode(frames, learner.json_limits)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert message.kind == "episodes" and len(message.batch["ground_truth"][0]) == 600
+    assert held <= message.nbytes, (held, message.nbytes)
+
+
+@pytest.mark.parametrize(
+    "value,what",
+    [([[] for _ in range(20_000)], "elements"), (None, "deep")],
+)
+def test_amplified_json_is_refused_before_decoding(learner, value, what) -> None:
+    """A group whose non-tensor JSON would grow ~20x in memory (20,000 empty lists in ~60 KB)
+    or is nested 500 deep is refused with reason json_limit before it is decoded, under the
+    learner's limits for its config (settings.json_limits); the next honest group is taken."""
+    if value is None:  # 500 nested lists (deeper ones the sender cannot encode either)
+        value = []
+        for _ in range(500):
+            value = [value]
+    sid = f"amp{what}"
+    model = learner.actor.model
+    sock = SamplerSocket(learner.cfg.asynchronous, sid, port=learner.socket.port)
+    limits, learner.socket.json_limits = learner.socket.json_limits, learner.json_limits
+    try:
+        rejected = learner.counters["rejected/json_limit"]
+        assert sock.send(_with_ground_truth(model, sid, 0, value), timeout_s=5)
+        assert learner._receive(5.0) == 0
+        assert _acks(sock) == [{"seq": 0, "status": "rejected", "reason": "json_limit"}]
+        assert learner.counters["rejected/json_limit"] == rejected + 1
+        assert sock.send(episodes_message(sid, 1, make_group(model, sid, 1, 0)), timeout_s=5)
+        assert learner._receive(5.0) == 1 and learner.buffer.holds(sid, 1)
+    finally:
+        learner.socket.json_limits = limits
+        sock.close()
+        learner.buffer.take(len(learner.buffer))
+
+
+def test_buffered_bytes_are_bounded_and_a_full_buffer_strikes_no_one(learner) -> None:
+    """With room for one group, a second is refused buffer_full (counted, not toward
+    max_rejects); once the buffer is taken the same sampler's next group is accepted."""
+    model = learner.actor.model
+    sock = SamplerSocket(learner.cfg.asynchronous, "full0", port=learner.socket.port)
+    limit = learner.buffer_limit
+    try:
+        first = decode(episodes_message("full0", 0, make_group(model, "full0", 0, 0)))
+        learner.buffer_limit = first.nbytes + 100
+        before = learner.counters["rejected/buffer_full"]
+        for seq in (0, 3):  # groups of one size (make_group's prompt width cycles with seq)
+            assert sock.send(episodes_message("full0", seq, make_group(model, "full0", seq, 0)), 5)
+        assert learner._receive(5.0) == 1 and learner._receive(5.0) == 0
+        assert learner.buffer.nbytes == first.nbytes
+        assert _acks(sock) == [{"seq": 3, "status": "rejected", "reason": "buffer_full"}]
+        assert learner.counters["rejected/buffer_full"] == before + 1
+        assert learner.rejects["full0"] == 0 and "full0" not in learner.blocked
+        learner.buffer.take(1)
+        assert learner.buffer.nbytes == 0
+        assert sock.send(episodes_message("full0", 6, make_group(model, "full0", 6, 0)), 5)
+        assert learner._receive(5.0) == 1
+    finally:
+        learner.buffer_limit = limit
+        sock.close()
+        learner.buffer.take(len(learner.buffer))
+
+
+def test_the_buffer_limit_leaves_room_for_every_honest_group(learner) -> None:
+    """max_buffered_bytes holds every sampler's unacknowledged groups at the largest size a
+    group passing the checks can have, and an honest group is far below that size."""
+    cfg = learner.cfg
+    largest = max_group_bytes(cfg.rollout.n, cfg.data.max_prompt_length,
+                              cfg.rollout.max_response_length, learner.json_limits)  # fmt: skip
+    groups = cfg.asynchronous.num_samplers * inflight_groups(cfg)
+    assert learner.buffer_limit == max(groups, 2 * cfg.data.train_batch_size) * largest
+    honest = decode(episodes_message("h0", 0, make_group(learner.actor.model, "h0", 0, 0)))
+    assert honest.nbytes < largest

@@ -9,7 +9,9 @@ One step, top to bottom (``Learner.fit``):
    ``asynchronous.max_rejects`` times is disconnected (every later message of it is answered
    ``disconnected`` and otherwise ignored); groups whose staleness (learner version - sampling
    version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale``; a group
-   seen before is acknowledged ``duplicate``;
+   seen before is acknowledged ``duplicate``; a group that would take the buffered bytes past
+   ``settings.max_buffered_bytes`` is rejected ``buffer_full`` (counted like any rejection,
+   but not toward ``max_rejects``: a flood from one peer never disconnects the others);
 2. concatenate the oldest groups into one Batch (``staleness`` per sample) and, with several
    learner ranks, scatter whole groups over torch.distributed;
 3. ``update`` (every rank): ``old_log_probs`` (the behaviour log-probs for on-policy rows,
@@ -54,6 +56,8 @@ from creditrl.asynchronous.messages import (
 )
 from creditrl.asynchronous.settings import (
     check_async_config,
+    json_limits,
+    max_buffered_bytes,
     max_message_bytes,
     needs_reference,
     weight_root,
@@ -175,6 +179,8 @@ class Learner:
         self.ledger = DeliveryLedger()
         self.journal = AckJournal(self.out / "async" / "acks.jsonl")
         self.buffer = GroupBuffer(a.max_staleness)
+        self.json_limits = json_limits(cfg)
+        self.buffer_limit = max_buffered_bytes(cfg)
         self.counters: dict[str, int] = defaultdict(int)
         self.counters["rejected"] = 0
         self.rejects: dict[str, int] = defaultdict(int)  # rejected messages per sender
@@ -274,7 +280,8 @@ class Learner:
             return 0
         seq, batch = int(message.header["seq"]), message.batch
         try:
-            group = BufferedGroup(sender, seq, int(message.header["weight_version"]), batch)
+            version = int(message.header["weight_version"])
+            group = BufferedGroup(sender, seq, version, batch, nbytes=message.nbytes)
             self.limits.check(batch, sender, seq, group.version, self.version)
         except MessageError as e:
             e.seq = seq
@@ -292,23 +299,34 @@ class Learner:
         if self.buffer.holds(sender, seq):
             self.counters["duplicate_groups"] += 1
             return 1
-        self.counters["received_groups"] += 1
         if self.buffer.is_stale(group, self.version):
+            self.counters["received_groups"] += 1
             self._drop_stale([group])
-        else:
-            self.buffer.add(group)
+            return 1
+        if self.buffer.nbytes + group.nbytes > self.buffer_limit:
+            err = MessageError(
+                f"group {sender}:{seq} of {group.nbytes} bytes would take the buffered groups "
+                f"({self.buffer.nbytes} bytes) past {self.buffer_limit}",
+                "buffer_full",
+                seq,
+            )
+            self._reject(sender, err, strike=False)
+            return 0
+        self.counters["received_groups"] += 1
+        self.buffer.add(group)
         return 1
 
-    def _reject(self, sender: str, err: MessageError) -> None:
+    def _reject(self, sender: str, err: MessageError, strike: bool = True) -> None:
         """Count, log and acknowledge a rejected message; disconnect a sender rejected
-        ``asynchronous.max_rejects`` times. A group with a seq from a valid sampler id is
-        journaled and marked consumed, like every other acknowledged group."""
+        ``asynchronous.max_rejects`` times (counting only rejections that ``strike``). A group
+        with a seq from a valid sampler id is journaled and marked consumed, like every other
+        acknowledged group."""
         if sender in self.blocked:
             self._refuse(sender)
             return
         self.counters["rejected"] += 1
         self.counters[f"rejected/{err.reason}"] += 1
-        self.rejects[sender] += 1
+        self.rejects[sender] += int(strike)
         log.warning(
             "learner: rejected message from sampler %r (seq %s, reason %s): %s",
             sender, err.seq, err.reason, err,
@@ -324,7 +342,7 @@ class Learner:
             self.ledger.add(sender, seq)
         self.socket.send(sender, reject_message(self.incarnation, self.version, seq, err.reason))
         limit = self.cfg.asynchronous.max_rejects
-        if limit and self.rejects[sender] >= limit:
+        if strike and limit and self.rejects[sender] >= limit:
             self.blocked.add(sender)
             self.samplers.discard(sender)
             self.counters["disconnected_samplers"] += 1
@@ -473,6 +491,7 @@ class Learner:
             {
                 "async/weight_version": float(self.version),
                 "async/buffered_groups": float(len(self.buffer)),
+                "async/buffered_bytes": float(self.buffer.nbytes),
                 "async/samplers": float(len(self.samplers)),
                 "perf/total_num_tokens": tokens,
                 "perf/time_per_step": seconds,
@@ -494,7 +513,10 @@ class Learner:
             self.tracker.log(self.pipeline.validate(self.val_rows), step=0)
         if self.main:
             self.socket = LearnerSocket(
-                cfg.asynchronous, port=self.port, max_message_bytes=max_message_bytes(cfg)
+                cfg.asynchronous,
+                port=self.port,
+                max_message_bytes=max_message_bytes(cfg),
+                json_limits=self.json_limits,
             )
             published = self.publisher.latest()
             if published is not None and published >= self.version:

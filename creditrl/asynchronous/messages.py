@@ -32,12 +32,14 @@ from typing import Any
 import torch
 
 from creditrl.asynchronous.validation import (
+    DEFAULT_JSON_LIMITS,
     EPISODE_FIELDS,
     REASONS,
     MessageError,
     check_payload,
 )
 from creditrl.batch import Batch
+from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
 
 __all__ = [
     "ACK_STATUSES",
@@ -61,17 +63,21 @@ KINDS = ("hello", "episodes", "welcome", "ack", "stop", "disconnected")
 ACK_STATUSES = ("trained", "stale", "duplicate", "rejected")
 MAX_INT = 2**53  # header integers stay below this (exact in JSON everywhere)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_MAX_HEADER = 1 << 20
+# the JSON header of any message: an episodes header holds rollout.n episode ids, an ack one
+# entry (3 keys) per acknowledged group, so 65536 items leave room for any honest one
+_HEADER_LIMITS = JsonLimits(max_bytes=1 << 20, max_depth=8, max_items=1 << 16)
 _EPISODES_HEADER = {"kind", "sampler_id", "seq", "weight_version", "episode_ids"}
 
 
 @dataclass
 class Message:
-    """One decoded message: its kind, JSON header and (episodes only) the group as a Batch."""
+    """One decoded message: its kind, JSON header and (episodes only) the group as a Batch and
+    the bytes it holds in memory (``validation.check_payload``)."""
 
     kind: str
     header: dict[str, Any]
     batch: Batch | None = None
+    nbytes: int = 0
 
 
 def episode_ids(sampler_id: str, seq: int, n: int) -> list[str]:
@@ -148,7 +154,9 @@ def _int(header: dict[str, Any], key: str) -> int:
     return value
 
 
-def _check_episodes(header: dict[str, Any], payload: bytes) -> Batch:
+def _check_episodes(
+    header: dict[str, Any], payload: bytes, json_limits: JsonLimits
+) -> tuple[Batch, int]:
     unknown = sorted(set(header) - _EPISODES_HEADER)
     if unknown:
         raise MessageError(f"episodes header has unknown fields {unknown}", "header")
@@ -162,7 +170,7 @@ def _check_episodes(header: dict[str, Any], payload: bytes) -> Batch:
         raise MessageError(
             f"episode_ids of group {sampler_id}:{seq} are not '<sampler>:<seq>:<k>'", "header"
         )
-    return check_payload(payload, sampler_id, seq, version, ids)
+    return check_payload(payload, sampler_id, seq, version, ids, json_limits)
 
 
 def _ack_ok(entry: Any) -> bool:
@@ -182,25 +190,21 @@ def _check_ack(header: dict[str, Any]) -> None:
 def _header(frames: list[bytes]) -> dict[str, Any]:
     if len(frames) < 2 or bytes(frames[0]) != PROTOCOL:
         raise MessageError(f"not a {PROTOCOL.decode()} message ({len(frames)} frames)")
-    raw = bytes(frames[1])
-    if len(raw) > _MAX_HEADER:
-        raise MessageError(f"header of {len(raw)} bytes exceeds {_MAX_HEADER}", "header")
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} is not JSON")
-
     try:
-        header = json.loads(raw, parse_constant=refuse)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are these
+        header = loads_bounded(frames[1], _HEADER_LIMITS, allow_nan=False)
+    except JsonLimitError as e:
+        raise MessageError(f"header: {e}", "header") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise MessageError(f"header is not JSON: {e!s:.200}", "header") from None
     if not isinstance(header, dict) or header.get("kind") not in KINDS:
         raise MessageError(f"header has no known 'kind' (kinds: {KINDS})")
     return header
 
 
-def decode(frames: list[bytes]) -> Message:
-    """Check and decode frames from the wire; MessageError names what is wrong (its ``reason``
-    and, when the header gave one, the group's ``seq``)."""
+def decode(frames: list[bytes], json_limits: JsonLimits = DEFAULT_JSON_LIMITS) -> Message:
+    """Check and decode frames from the wire (an episodes group's JSON within ``json_limits``,
+    ``settings.json_limits`` for a run); MessageError names what is wrong (its ``reason`` and,
+    when the header gave one, the group's ``seq``)."""
     header = _header(frames)
     kind = header["kind"]
     seq = header.get("seq") if _is_int(header.get("seq")) else None
@@ -208,7 +212,7 @@ def decode(frames: list[bytes]) -> Message:
         if kind == "episodes":
             if len(frames) != 3:
                 raise MessageError(f"an episodes message has 3 frames, got {len(frames)}")
-            return Message(kind, header, _check_episodes(header, bytes(frames[2])))
+            return Message(kind, header, *_check_episodes(header, bytes(frames[2]), json_limits))
         if len(frames) != 2:
             raise MessageError(f"a {kind} message has 2 frames, got {len(frames)}")
         if kind == "hello":

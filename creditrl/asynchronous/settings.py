@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from creditrl.asynchronous.validation import max_group_bytes
+from creditrl.bounded_json import JsonLimits
 from creditrl.config import Config
 
 __all__ = [
     "check_async_config",
+    "inflight_groups",
+    "json_limits",
+    "max_buffered_bytes",
     "max_message_bytes",
     "needs_reference",
     "sampler_id_of",
@@ -16,6 +21,10 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
+_JSON_PER_ANSWER = 64 * 1024  # JSON bytes per answer, besides those per token
+_JSON_PER_TOKEN = 64  # JSON bytes per prompt + response token
+_JSON_BYTES_PER_ITEM = 32  # one JSON item allowed per this many bytes
+_JSON_DEPTH = 64
 
 
 def sampler_id_of(index: int) -> str:
@@ -52,6 +61,39 @@ def max_message_bytes(cfg: Config) -> int:
     tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     per_answer = 256 * tokens + 64 * 1024
     return max(cfg.rollout.n * per_answer + _MIB, 8 * _MIB)
+
+
+def json_limits(cfg: Config) -> JsonLimits:
+    """Bounds on the JSON of one group's non-tensor columns and meta, checked before it is
+    decoded: per answer 64 KiB plus 64 bytes per prompt + response token (the text columns
+    carry the prompt and the conversation a few times over, \\u-escaped beyond ASCII), one item
+    per 32 of those bytes, nesting 64 deep."""
+    tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    nbytes = cfg.rollout.n * (_JSON_PER_ANSWER + _JSON_PER_TOKEN * tokens)
+    return JsonLimits(nbytes, _JSON_DEPTH, nbytes // _JSON_BYTES_PER_ITEM)
+
+
+def inflight_groups(cfg: Config) -> int:
+    """The most groups one sampler has unacknowledged: it produces ``sampler_batch_groups``
+    (0: ``data.train_batch_size``) at once while fewer than ``max_inflight_groups`` (0: twice
+    ``data.train_batch_size``) are unacknowledged."""
+    a, batch = cfg.asynchronous, cfg.data.train_batch_size
+    return (a.max_inflight_groups or 2 * batch) - 1 + (a.sampler_batch_groups or batch)
+
+
+def max_buffered_bytes(cfg: Config) -> int:
+    """The most bytes of groups the learner buffers: the largest group it accepts
+    (``validation.max_group_bytes``) times the groups of two batches, or of every sampler's
+    unacknowledged groups when more, so that honest samplers never reach it."""
+    samplers = cfg.asynchronous.num_samplers * inflight_groups(cfg)
+    groups = max(2 * cfg.data.train_batch_size, samplers)
+    largest = max_group_bytes(
+        cfg.rollout.n,
+        cfg.data.max_prompt_length,
+        cfg.rollout.max_response_length,
+        json_limits(cfg),
+    )
+    return groups * largest
 
 
 def check_async_config(cfg: Config) -> None:

@@ -25,23 +25,25 @@ _PROMPT_ALIGNED = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class BufferedGroup:
-    """One received group waiting to be trained on."""
+    """One received group waiting to be trained on (``nbytes``: the memory it holds)."""
 
     sampler_id: str
     seq: int
     version: int
     batch: Batch
     received: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
 
 
 class GroupBuffer:
-    """Groups in arrival order, keyed by (sampler_id, seq)."""
+    """Groups in arrival order, keyed by (sampler_id, seq); ``nbytes`` is the sum of theirs."""
 
     def __init__(self, max_staleness: int) -> None:
         if max_staleness < 0:
             raise ValueError(f"asynchronous.max_staleness must be >= 0, got {max_staleness}")
         self.max_staleness = max_staleness
         self._groups: OrderedDict[tuple[str, int], BufferedGroup] = OrderedDict()
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -56,6 +58,7 @@ class GroupBuffer:
         if key in self._groups:
             raise ValueError(f"group {group.sampler_id}:{group.seq} is already buffered")
         self._groups[key] = group
+        self.nbytes += group.nbytes
 
     def is_stale(self, group: BufferedGroup, version: int) -> bool:
         """True if ``version - group.version > max_staleness``."""
@@ -66,12 +69,14 @@ class GroupBuffer:
         stale = [g for g in self._groups.values() if self.is_stale(g, version)]
         for g in stale:
             del self._groups[(g.sampler_id, g.seq)]
+            self.nbytes -= g.nbytes
         return stale
 
     def take(self, count: int) -> list[BufferedGroup]:
         """Remove and return the ``count`` oldest groups (fewer if fewer are waiting)."""
-        keys = list(self._groups)[:count]
-        return [self._groups.pop(k) for k in keys]
+        taken = [self._groups.pop(k) for k in list(self._groups)[:count]]
+        self.nbytes -= sum(g.nbytes for g in taken)
+        return taken
 
 
 def _pad(x: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:

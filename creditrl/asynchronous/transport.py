@@ -5,11 +5,13 @@ The learner binds a ROUTER at ``tcp://host:port``; each sampler connects a DEALE
 routing identity is its sampler id, so the learner can acknowledge to the sampler that sent a
 group. The ROUTER's ``MAXMSGSIZE`` (``max_message_bytes``) makes libzmq drop, before Python
 sees it, any frame larger than that, and disconnect its sender (which reconnects); a socket
-monitor counts such disconnects (``LearnerSocket.disconnects``). ``ROUTER_HANDOVER`` lets a
-restarted sampler take over its identity; with ``ROUTER_MANDATORY`` an acknowledgement to a
-sampler that is gone fails visibly instead of vanishing. Every socket has send and receive
-high-water marks of ``hwm`` messages, so a slow learner blocks its samplers (back-pressure)
-instead of growing memory without bound.
+monitor counts such disconnects (``LearnerSocket.disconnects``). libzmq has no limit on the
+frames of a message and hands a message over only whole, so the learner reads it frame by
+frame and lets go of every frame past the three a message may have without copying it.
+``ROUTER_HANDOVER`` lets a restarted sampler take over its identity; with
+``ROUTER_MANDATORY`` an acknowledgement to a sampler that is gone fails visibly instead of
+vanishing. Every socket has send and receive high-water marks of ``hwm`` messages, so a slow
+learner blocks its samplers (back-pressure) instead of growing memory without bound.
 
 CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
 ``server.key_secret`` and accepts only the public keys in ``authorized/``; a sampler holds
@@ -31,11 +33,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
+from creditrl.asynchronous.validation import DEFAULT_JSON_LIMITS
+from creditrl.bounded_json import JsonLimits
 from creditrl.config.schema import AsyncConfig
 
 __all__ = ["LearnerSocket", "SamplerSocket", "endpoint", "is_loopback", "make_curve_keys"]
 
 log = logging.getLogger(__name__)
+_MAX_FRAMES = 3  # PROTOCOL, header, payload: the most frames a message has (after the identity)
 
 
 def is_loopback(host: str) -> bool:
@@ -88,12 +93,18 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
 class LearnerSocket:
     """The learner's ROUTER: receives hello/episodes, sends welcome/ack/stop by sampler id.
 
-    ``max_message_bytes`` > 0 sets libzmq's ``MAXMSGSIZE`` (per frame)."""
+    ``max_message_bytes`` > 0 sets libzmq's ``MAXMSGSIZE`` (per frame); ``json_limits`` bound
+    the JSON of a group before it is decoded (``settings.json_limits``)."""
 
     def __init__(
-        self, cfg: AsyncConfig, port: int | None = None, max_message_bytes: int = 0
+        self,
+        cfg: AsyncConfig,
+        port: int | None = None,
+        max_message_bytes: int = 0,
+        json_limits: JsonLimits = DEFAULT_JSON_LIMITS,
     ) -> None:
         port = cfg.port if port is None else port
+        self.json_limits = json_limits
         self.context = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
         self.sock = self.context.socket(zmq.ROUTER)
@@ -131,10 +142,22 @@ class LearnerSocket:
         bytes kept by ``surrogateescape``, so ``send`` can answer it)."""
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
-        frames = self.sock.recv_multipart()
-        sender = bytes(frames[0]).decode("utf-8", errors="surrogateescape")
+        identity = self.sock.recv()
+        frames = []
+        while self.sock.rcvmore and len(frames) < _MAX_FRAMES:
+            frames.append(self.sock.recv())
+        extra = 0
+        while self.sock.rcvmore:  # copy=False: the frame is freed unread, never copied
+            self.sock.recv(copy=False)
+            extra += 1
+        sender = identity.decode("utf-8", errors="surrogateescape")
         try:
-            message = decode(frames[1:])
+            if extra:
+                raise MessageError(
+                    f"a message has at most {_MAX_FRAMES} frames, got {_MAX_FRAMES + extra} "
+                    "(the rest dropped unread)"
+                )
+            message = decode(frames, self.json_limits)
             check_sampler_id(sender)
             claimed = message.header.get("sampler_id", sender)
             if claimed != sender:

@@ -3,9 +3,12 @@ untrusted input. A failed check raises ``MessageError`` with a ``reason`` (one o
 the learner acknowledges the group ``rejected``, counts it as ``async/rejected`` and
 ``async/rejected/<reason>`` and carries on.
 
-Two layers: ``check_payload`` needs no config (``messages.decode`` calls it): the payload parses
-as a creditrl batch, every field is known and has its catalogue dtype and a consistent shape,
-ids are >= 0, masks are 0/1, floats are finite, non-tensors and meta have their types.
+Two layers: ``check_payload`` (``messages.decode`` calls it) needs only the JSON limits: the
+JSON of the non-tensor columns and meta is within its byte, depth and item limits before it is
+decoded (``bounded_json``), the payload parses as a creditrl batch, every field is known and
+has its catalogue dtype and a consistent shape, ids are >= 0, masks are 0/1, floats are finite,
+non-tensors and meta have their types; it also tells the bytes the group holds, which the
+learner's buffer is bounded by (``max_group_bytes`` is the most an accepted group holds).
 ``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
 within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
 model's vocabulary, the optional fields this run sends, a weight version not in the future.
@@ -24,15 +27,20 @@ from typing import Any
 import torch
 
 from creditrl.batch import Batch
+from creditrl.batch import io as batch_io
+from creditrl.bounded_json import JsonLimitError, JsonLimits, held_bytes
 
 __all__ = [
     "AGENT_FIELDS",
+    "DEFAULT_JSON_LIMITS",
     "EPISODE_FIELDS",
+    "GROUP_OVERHEAD",
     "REASONS",
     "STRUCTURED_FIELDS",
     "GroupLimits",
     "MessageError",
     "check_payload",
+    "max_group_bytes",
 ]
 
 REASONS = {
@@ -41,6 +49,8 @@ REASONS = {
     "header": "the JSON header is malformed: a field missing, of the wrong type, out of range "
     "or unknown; episode ids or the sender's identity inconsistent",
     "payload": "the payload is not a creditrl batch (garbage, truncated, bad declared sizes)",
+    "json_limit": "the JSON of the non-tensor columns and meta exceeds its byte, nesting depth "
+    "or item limit (checked before it is decoded), or is not UTF-8",
     "fields": "a required field is missing, or a field this learner does not know is present",
     "dtype": "a tensor does not have its catalogue dtype (int64 ids and masks, float32 floats)",
     "shape": "tensor shapes disagree (rows, prompt width P, response width T, P + T)",
@@ -53,6 +63,8 @@ REASONS = {
     "non_tensor": "a non-tensor column or meta entry has the wrong type",
     "version": "the group claims a weight version the learner has not published yet",
     "error": "the learner failed on the group before it joined a batch (logged with traceback)",
+    "buffer_full": "the group would take the learner's buffered groups past their byte limit "
+    "(not counted toward asynchronous.max_rejects)",
 }
 
 # Tensors every group holds; ref_log_prob (ref_on=sampler) and rm_scores (a reward model)
@@ -96,6 +108,12 @@ _DTYPES = {"ids": torch.int64, "mask": torch.int64, "position": torch.int64,
 _MAX_COUNT = 1 << 20  # turn numbers and counts: small non-negative integers
 _MAX_LOG_PROB = 1e-3  # log-probs are <= 0; a little slack for rounding
 _MAX_SCORE = 1e9  # larger rewards overflow float32 statistics (squares in the group std)
+# memory of a decoded group beyond its tensors' and its JSON's bytes: the Batch, its TensorDict,
+# the tensor and numpy objects (measured: about 8 KiB; tests/test_async_hardening.py)
+GROUP_OVERHEAD = 16 * 1024
+# JSON limits of a group when no config gives them (``messages.decode`` without limits): the
+# size of the smallest frame limit (settings.max_message_bytes), 1 item per 32 bytes
+DEFAULT_JSON_LIMITS = JsonLimits(max_bytes=8 << 20, max_depth=64, max_items=(8 << 20) // 32)
 # non-tensor column -> allowed JSON types of each value (None: any JSON value)
 _COLUMNS: dict[str, tuple[type, ...] | None] = {
     "uid": (str,),
@@ -154,11 +172,27 @@ def _non_finite_path(value: Any, path: str) -> str | None:
     return None
 
 
-def _parse(payload: bytes, where: str) -> Batch:
+def _parse(payload: bytes, where: str, json_limits: JsonLimits) -> tuple[Batch, int]:
+    """The group in ``payload`` (its JSON checked against ``json_limits`` before it is decoded)
+    and the bytes it holds: tensors, JSON as ``bounded_json.held_bytes`` charges it, overhead."""
     try:
-        return Batch.from_bytes(payload)
+        head, _ = batch_io.split(payload)
+        items = json_limits.check(head)
+        group = Batch.from_bytes(payload)
+    except JsonLimitError as e:
+        raise MessageError(f"{where}: non-tensor columns and meta: {e}", "json_limit") from None
     except Exception as e:  # any failure to parse untrusted bytes is a rejection
         raise MessageError(f"{where}: payload is not a creditrl batch: {e}", "payload") from None
+    tensors = sum(x.nbytes for x in group.tensors.values())
+    return group, tensors + held_bytes(len(head), items) + GROUP_OVERHEAD
+
+
+def max_group_bytes(n: int, max_prompt: int, max_response: int, json_limits: JsonLimits) -> int:
+    """The most bytes a group ``check_payload`` accepts holds: ``n`` rows of every catalogue
+    tensor at the widest widths, its JSON at ``json_limits``, and ``GROUP_OVERHEAD``."""
+    widths = {"P": max_prompt, "T": max_response, "P+T": max_prompt + max_response, None: 1}
+    tensors = sum(n * widths[w] * _DTYPES[kind].itemsize for kind, w in _TENSORS.values())
+    return tensors + json_limits.held_bound() + GROUP_OVERHEAD
 
 
 def _check_fields(group: Batch, where: str) -> None:
@@ -242,11 +276,19 @@ def _check_non_tensors(group: Batch, where: str) -> None:
             )
 
 
-def check_payload(payload: bytes, sampler_id: str, seq: int, version: int, ids: list[str]) -> Batch:
-    """The group in ``payload`` if it passes the config-free checks (module docstring) and
-    matches its header (``sampler_id``, ``seq``, ``version``, episode ``ids``)."""
+def check_payload(
+    payload: bytes,
+    sampler_id: str,
+    seq: int,
+    version: int,
+    ids: list[str],
+    json_limits: JsonLimits = DEFAULT_JSON_LIMITS,
+) -> tuple[Batch, int]:
+    """The group in ``payload`` and the bytes it holds, if it passes the first layer of checks
+    (module docstring) and matches its header (``sampler_id``, ``seq``, ``version``, episode
+    ``ids``)."""
     where = f"group {sampler_id}:{seq}"
-    group = _parse(payload, where)
+    group, nbytes = _parse(payload, where, json_limits)
     if len(group) != len(ids):
         raise MessageError(f"{where} has {len(group)} rows for {len(ids)} ids", "shape")
     _check_fields(group, where)
@@ -263,7 +305,7 @@ def check_payload(payload: bytes, sampler_id: str, seq: int, version: int, ids: 
         raise MessageError(f"{where}: uid {uids.pop()!r:.80} is not '{sampler_id}:{seq}'", "value")
     if not bool((group["weight_version"] == version).all()):
         raise MessageError(f"{where}: weight_version differs from the header", "value")
-    return group
+    return group, nbytes
 
 
 @dataclass(frozen=True)
