@@ -125,11 +125,11 @@ class RewardConfig:
     scorer_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of every scorer call (JSON values)."""
     num_workers: int = 2
-    """Scoring worker processes; 0: one in-process thread (no timeout; for debugging)."""
+    """Scoring worker processes; 0: score in this process (at most 4 hung threads, then fail)."""
     timeout_s: float = 10.0
-    """Seconds one sample may take to score; then it gets fallback_score."""
+    """Seconds a sample may take to score, then fallback_score (num_workers=0 included)."""
     fallback_score: float = 0.0
-    """Score of a sample whose scorer raised, timed out or returned NaN/inf."""
+    """Score of a sample whose scorer raised, timed out, or gave NaN/inf or an oversized result."""
     max_failure_rate: float = 0.5
     """A step with a larger share of failed samples stops the run; 1: never."""
     async_reward: bool = False

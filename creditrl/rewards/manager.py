@@ -3,10 +3,12 @@
 ``submit(batch)`` decodes the responses, queues one JSON request per sample on the scoring pool
 (and the reward model, if enabled, on a background thread) and returns a ``RewardFuture`` at
 once, so the trainer can overlap scoring with its log-prob passes. ``future.result()`` gives a
-``RewardResult``. A scorer that raises, runs past ``cfg.timeout_s`` or returns NaN/inf gives
-``cfg.fallback_score`` with its status and message recorded per sample and counted in the
-metrics; when more than ``cfg.max_failure_rate`` of a batch fails, ``result()`` raises
-``ScoringError`` quoting the first failure instead.
+``RewardResult``. A scorer that raises, runs past ``cfg.timeout_s``, returns a result outside
+``creditrl.rewards.results``' bounds (too deep or large: "error"; a score not finite or beyond
++-1e9, a sub-metric not a finite float32: "nan") gives ``cfg.fallback_score`` with its status and
+message recorded per sample and counted in the metrics; when more than
+``cfg.max_failure_rate`` of a batch fails, ``result()`` raises ``ScoringError`` quoting the first
+failure instead.
 """
 
 from __future__ import annotations
@@ -144,9 +146,10 @@ def _column(batch: Batch, name: str, default: Any = None) -> Sequence[Any]:
 class RewardManager:
     """Rule scorers in worker processes, optionally a reward model; see the module docstring.
 
-    ``num_workers=0`` scores in one in-process thread: the per-sample timeout cannot be enforced
-    there (a hanging scorer blocks), so use it for debugging only. Use as a context manager or
-    call ``close()``; workers also exit by themselves when this process ends.
+    ``num_workers=0`` scores in this process; a scorer past the timeout is abandoned on its
+    thread, at most ``inprocess.MAX_ABANDONED`` at a time (``creditrl.rewards.inprocess``). Use
+    as a context manager or call ``close()``; workers also exit by themselves when this process
+    ends.
     """
 
     def __init__(self, cfg: RewardConfig, tokenizer: Any, reward_model: Any | None = None) -> None:

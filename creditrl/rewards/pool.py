@@ -3,13 +3,14 @@
 Each feeder thread owns one ``python -m creditrl.rewards.worker`` process and takes
 ``(job, index, line)`` tasks from a shared queue. A sample that runs past ``timeout_s`` gets
 status "timeout"; its worker is killed and a fresh one started (it warms up in the background).
-``num_workers=0`` scores in one in-process thread: no process boundary, and the timeout cannot
-be enforced (a hanging scorer hangs the pool) -- for debugging only.
+A reply line is bounded in length before it is parsed and checked field by field
+(``creditrl.rewards.results``); a bad one fails its sample and replaces the worker.
+``num_workers=0`` scores in this process (``creditrl.rewards.inprocess``): no process boundary,
+and a scorer past the timeout is abandoned on its thread, not killed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import subprocess
@@ -19,12 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from creditrl.rewards.worker import score_request
+from creditrl.rewards.inprocess import InProcessScorer
+from creditrl.rewards.results import MAX_LINE_CHARS, check_reply, failure, parse_line
 
-__all__ = ["ScoringJob", "ScoringPool"]
+__all__ = ["WORKER_COMMAND", "ScoringJob", "ScoringPool"]
 
 STARTUP_TIMEOUT_S = 120.0
 CLOSE_WAIT_S = 2.0
+WORKER_COMMAND = [sys.executable, "-m", "creditrl.rewards.worker"]
 
 
 class ScoringJob:
@@ -53,10 +56,6 @@ class ScoringJob:
         return self._done.wait(timeout)
 
 
-def _failure(status: str, message: str) -> dict[str, Any]:
-    return {"status": status, "score": None, "extra": {}, "error": message}
-
-
 class _WorkerDied(RuntimeError):
     pass
 
@@ -66,21 +65,28 @@ class _WorkerProcess:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "creditrl.rewards.worker"],
+            WORKER_COMMAND,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             text=True,
             encoding="utf-8",
+            errors="replace",
             bufsize=1,
         )
-        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.lines: queue.Queue[str | _WorkerDied | None] = queue.Queue()
         self.ready = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        """Queue each line; a line longer than MAX_LINE_CHARS is never held whole: reading stops
+        there and the worker is replaced."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        while line := self.proc.stdout.readline(MAX_LINE_CHARS + 1):
+            if len(line) > MAX_LINE_CHARS:
+                message = f"a line longer than {MAX_LINE_CHARS} characters"
+                self.lines.put(_WorkerDied(f"reward worker {self.proc.pid} sent {message}"))
+                return
             self.lines.put(line)
         self.lines.put(None)
 
@@ -89,7 +95,15 @@ class _WorkerProcess:
         if line is None:
             code = self.proc.wait()
             raise _WorkerDied(f"reward worker {self.proc.pid} exited with code {code}")
-        return json.loads(line)
+        if isinstance(line, _WorkerDied):
+            raise line
+        try:
+            value = parse_line(line)
+        except ValueError as e:
+            raise _WorkerDied(f"reward worker {self.proc.pid} sent {e}") from None
+        if not isinstance(value, dict):
+            raise _WorkerDied(f"reward worker {self.proc.pid} sent a line that is not an object")
+        return value
 
     def wait_ready(self) -> None:
         """Block until the worker's ready line (_WorkerDied if it exits or takes too long)."""
@@ -144,7 +158,7 @@ def _worker_env() -> dict[str, str]:
 
 
 class ScoringPool:
-    """``num_workers`` worker processes (0: one in-process thread) with a per-sample timeout."""
+    """``num_workers`` worker processes (0: in this process) with a per-sample timeout."""
 
     def __init__(self, num_workers: int, timeout_s: float) -> None:
         if num_workers < 0:
@@ -158,6 +172,7 @@ class ScoringPool:
         self._env = _worker_env()
         self._workers: list[_WorkerProcess | None] = [None] * num_workers
         self._lock = threading.Lock()
+        self.in_process = InProcessScorer(timeout_s) if num_workers == 0 else None
         for slot in range(num_workers):
             self._workers[slot] = _WorkerProcess(self._env)
         self._threads = [
@@ -179,14 +194,20 @@ class ScoringPool:
             startup_error = self._warm(slot)
             task = self._tasks.get()
             if task is None:
+                if self.in_process is not None:
+                    self.in_process.close()
                 return
             job, index, request_id, line = task
-            if self.num_workers == 0:
-                job.set(index, json.loads(json.dumps(score_request(json.loads(line)), default=str)))
-            elif startup_error is not None:
-                job.set(index, _failure("error", startup_error))
-            else:
-                job.set(index, self._call(slot, request_id, line))
+            try:
+                if self.in_process is not None:
+                    reply = self.in_process.score(line)
+                elif startup_error is not None:
+                    reply = failure("error", startup_error)
+                else:
+                    reply = self._call(slot, request_id, line)
+            except Exception as e:  # e.g. no fork for a fresh worker: fail the sample, not the pool
+                reply = failure("error", f"reward scoring pool: {type(e).__name__}: {e}")
+            job.set(index, reply)
 
     def _warm(self, slot: int) -> str | None:
         """Wait for the slot's worker to be ready; the startup failure message, if any."""
@@ -203,15 +224,15 @@ class ScoringPool:
     def _call(self, slot: int, request_id: int, line: str) -> dict[str, Any]:
         worker = self._workers[slot]
         if worker is None:
-            return _failure("error", "the reward scoring pool is closed")
+            return failure("error", "the reward scoring pool is closed")
         try:
-            return worker.call(line, request_id, self.timeout_s)
+            return check_reply(worker.call(line, request_id, self.timeout_s))
         except TimeoutError:
             self._replace(slot, worker)
-            return _failure("timeout", f"scorer exceeded {self.timeout_s}s; its worker was killed")
+            return failure("timeout", f"scorer exceeded {self.timeout_s}s; its worker was killed")
         except _WorkerDied as e:
             self._replace(slot, worker)
-            return _failure("error", str(e))
+            return failure("error", str(e))
 
     def _replace(self, slot: int, worker: _WorkerProcess) -> None:
         worker.kill()
@@ -231,7 +252,7 @@ class ScoringPool:
             except queue.Empty:
                 break
             if task is not None:
-                task[0].set(task[1], _failure("error", "the reward scoring pool was closed"))
+                task[0].set(task[1], failure("error", "the reward scoring pool was closed"))
         for _ in self._threads:
             self._tasks.put(None)
         workers = [w for w in self._workers if w is not None]

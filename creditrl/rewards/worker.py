@@ -7,7 +7,7 @@ crosses the process boundary.
 - parent -> worker: ``{"id", "scorer", "scorer_kwargs", "data_source", "solution_str",
   "ground_truth", "extra_info"}`` (``scorer``: a built-in name or "path/to/file.py:fn")
 - worker -> parent: ``{"id", "status": "ok" | "error" | "nan", "score": float | null,
-  "extra": {...}, "error": str | null}``
+  "extra": {...}, "error": str | null}``, within ``creditrl.rewards.results``' bounds
 
 The protocol uses private duplicates of stdin/stdout; fd 1 is pointed at stderr, so a scorer's
 ``print`` cannot corrupt it. The worker exits on stdin EOF or when its parent process dies.
@@ -16,8 +16,8 @@ The protocol uses private duplicates of stdin/stdout; fd 1 is pointed at stderr,
 from __future__ import annotations
 
 import json
-import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 from creditrl.rewards.registry import get_scorer
+from creditrl.rewards.results import check_numbers, encode_extra, failure
 
 __all__ = ["main", "normalize_result", "score_request"]
 
@@ -43,7 +44,13 @@ def normalize_result(raw: Any) -> tuple[float, dict[str, Any]]:
 
 
 def score_request(request: dict[str, Any]) -> dict[str, Any]:
-    """Score one decoded request; exceptions and non-finite scores become a status, not a raise."""
+    """Score one decoded request into a JSON-clean reply; a scorer that raises, or a result
+    outside ``creditrl.rewards.results``' bounds, becomes a status with its reason, not a raise.
+
+    Status "error": the scorer raised, or its extras are too deep or too large; "nan": its score
+    is not finite or beyond +-``MAX_SCORE``, or a number in its extras is not a finite float32.
+    A failed sample's reply carries no extras.
+    """
     reply: dict[str, Any] = {"id": request.get("id"), "score": None, "extra": {}, "error": None}
     try:
         fn = get_scorer(request["data_source"], request["scorer"])
@@ -54,16 +61,18 @@ def score_request(request: dict[str, Any]) -> dict[str, Any]:
             request.get("extra_info"),
             **(request.get("scorer_kwargs") or {}),
         )
-        score, reply["extra"] = normalize_result(raw)
+        score, extra = normalize_result(raw)
     except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)
         where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-        reply.update(status="error", error=f"{type(e).__name__}: {e}{where}")
-        return reply
-    if not math.isfinite(score):
-        reply.update(status="nan", error=f"scorer returned a non-finite score {score!r}")
-        return reply
-    reply.update(status="ok", score=score)
+        return {**reply, **failure("error", f"{type(e).__name__}: {e}{where}")}
+    encoded, problem = encode_extra(extra)
+    if encoded is None:
+        return {**reply, **failure("error", f"scorer result refused: {problem}")}
+    reason = check_numbers(score, extra)
+    if reason is not None:
+        return {**reply, **failure("nan", reason)}
+    reply.update(status="ok", score=score, extra=json.loads(encoded))
     return reply
 
 
@@ -87,6 +96,9 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # Ctrl-C in a terminal reaches the whole process group; the parent ends this worker (stdin
+    # EOF or a kill), so the interrupt is not reported here too, as a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     proto_out.write(encode_line({"ready": True, "pid": os.getpid()}))
     proto_out.flush()
