@@ -21,7 +21,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-__all__ = ["check_json", "decode", "encode", "read_dir", "write_dir"]
+__all__ = ["check_json", "decode", "encode", "read_dir", "split", "write_dir"]
 
 FORMAT = "creditrl.batch/1"
 MAGIC = b"CRLBATCH"
@@ -110,14 +110,24 @@ def encode(parts: Parts) -> bytes:
     return MAGIC + struct.pack("<Q", len(head)) + head + _payload(parts[1])
 
 
-def decode(data: bytes) -> Parts:
-    """Inverse of ``encode``."""
-    if data[: len(MAGIC)] != MAGIC:
-        raise ValueError("not a creditrl batch (bad magic bytes)")
+def split(data: bytes) -> tuple[memoryview, memoryview]:
+    """The JSON header and the safetensors payload of ``encode``'s bytes, as views (no copy);
+    ValueError unless ``data`` is framed as a creditrl batch."""
+    view = memoryview(data)
     start = len(MAGIC) + 8
-    (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
-    header = json.loads(data[start : start + length])
-    return _parts(header, safetensors.torch.load(bytes(data[start + length :])))
+    if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < start:
+        raise ValueError("not a creditrl batch (bad magic bytes)")
+    (length,) = struct.unpack("<Q", view[len(MAGIC) : start])
+    if length > len(view) - start:
+        raise ValueError(f"JSON header of {length} bytes declared, {len(view) - start} follow")
+    return view[start : start + length], view[start + length :]
+
+
+def decode(data: bytes) -> Parts:
+    """Inverse of ``encode`` (the JSON header must be UTF-8, as ``encode`` writes it)."""
+    head, tensors = split(data)
+    header = json.loads(bytes(head).decode("utf-8"))
+    return _parts(header, safetensors.torch.load(bytes(tensors)))
 
 
 def _write(path: Path, data: bytes) -> None:
