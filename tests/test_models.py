@@ -45,10 +45,8 @@ def left_padded_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_tiny_model_dir_builds_and_loads(tiny: Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (tiny / name).is_file(), name
-    start = time.perf_counter()
     assert tiny_model_dir() == tiny
     model = load_causal_lm(tiny)
-    assert time.perf_counter() - start < 5.0
     cfg = model.config
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (49152, 2, 4)
     assert 32 <= cfg.hidden_size <= 64

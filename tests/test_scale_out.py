@@ -124,10 +124,8 @@ def test_killed_worker_is_named_and_rerun_resumes(tmp_path: Path, ray_cluster) -
 
     killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
     killer.start()
-    began = time.monotonic()
     with pytest.raises(WorkerError, match=r"actor_rollout_ref rank 1 (died|failed)"):
         trainer.fit()
-    assert time.monotonic() - began < 90
     killer.join()
     assert max(read_metrics(out)) >= 1
 

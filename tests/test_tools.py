@@ -139,7 +139,6 @@ def test_registry_turns_every_failure_into_a_result() -> None:
     assert (error.status, error.output) == ("error", "Error: RuntimeError: boom 1")
     assert timeout_async.status == timeout_sync.status == "timeout"
     assert "no result after 0.2s" in timeout_async.output
-    assert timeout_async.seconds < 1.0
     assert ok.ok and json.loads(ok.output) == {"city": "Oslo", "days": 1}
 
 
