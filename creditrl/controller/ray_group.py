@@ -290,9 +290,10 @@ class RoutedWorkerGroup(WorkerGroup):
         if method == "save_checkpoint":
             meta = self.actor.call(method, batch, **kwargs)
             return {**meta, **self.critic.call(method, batch, **kwargs)}
-        if method == "load_checkpoint":
-            self.actor.call(method, batch, **kwargs)
-            return self.critic.call(method, batch, **kwargs)
+        if method == "load_checkpoint":  # None, or why the checkpoint does not fit
+            return self.actor.call(method, batch, **kwargs) or self.critic.call(
+                method, batch, **kwargs
+            )
         return self.actor.call(method, batch, **kwargs)
 
     def shutdown(self) -> None:

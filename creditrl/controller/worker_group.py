@@ -69,9 +69,10 @@ class WorkerGroup:
         """Every rank writes its part into ``directory``; returns the JSON meta."""
         return self.call("save_checkpoint", directory=directory)
 
-    def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> None:
-        """Every rank restores from ``directory``."""
-        self.call("load_checkpoint", directory=directory, meta=meta)
+    def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> str | None:
+        """Every rank restores from ``directory``; None, or why it does not fit the models
+        (nothing loaded)."""
+        return self.call("load_checkpoint", directory=directory, meta=meta)
 
     def shutdown(self) -> None:
         """Release the workers."""

@@ -20,7 +20,7 @@ from creditrl.config import Config
 from creditrl.config.loader import save_resolved_config, to_dict
 from creditrl.controller import build_worker_group
 from creditrl.data import ResumableSampler, collate_prompts
-from creditrl.errors import NothingToLearnError
+from creditrl.errors import DataError, NothingToLearnError
 from creditrl.models import load_tokenizer, resolve_model_path
 from creditrl.pipeline import stages
 from creditrl.pipeline.step import (
@@ -144,15 +144,16 @@ class RLTrainer:
         return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
 
     def maybe_resume(self) -> bool:
-        """Restore the newest complete checkpoint (damaged newer ones are logged and skipped);
-        without one, a rerun starts over and drops the earlier attempt's metrics rows."""
+        """Restore the newest complete checkpoint that fits the models (damaged or unfitting
+        newer ones are logged and skipped); without one, a rerun starts over and drops the
+        earlier attempt's metrics rows."""
         if self.cfg.trainer.resume == "never":
             return False
-        latest = self.checkpoints.latest()
-        if latest is None:
+        restored = self.checkpoints.restore(self.workers.load_checkpoint)
+        if restored is None:
             self.tracker.truncate_after(-1)
             return False
-        self.step, state = self.checkpoints.load(latest, self.workers.load_checkpoint)
+        _, self.step, state = restored
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.uid_rng.bit_generator.state = state["uid_rng"]
@@ -160,6 +161,21 @@ class RLTrainer:
         self.val_latest = _metrics(state.get("val_latest"))
         self.tracker.truncate_after(self.step)
         return True
+
+    def interruption(self) -> str:
+        """One line for a Ctrl-C: the step reached, and where rerunning the same command
+        resumes (the newest complete checkpoint on disk)."""
+        try:
+            latest = self.checkpoints.latest(report=False)
+        except DataError:
+            latest = None
+        where = f"interrupted at step {self.step} of {self.cfg.trainer.total_steps}"
+        if latest is None:
+            return f"{where}; no checkpoint in {self.checkpoints.root} yet: rerunning starts over"
+        return (
+            f"{where}; rerun the same command to resume from the latest checkpoint in "
+            f"{self.checkpoints.root} ({latest.name})"
+        )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -262,17 +278,18 @@ class RLTrainer:
     def fit(self) -> RunSummary:
         cfg = self.cfg.trainer
         began = time.perf_counter()
-        if self.maybe_resume():
-            note = f"resuming {self.out} from step {self.step} of {cfg.total_steps}"
-            if self.step >= cfg.total_steps:
-                note += " (already finished: raise trainer.total_steps or use a new output_dir)"
-            self.console.print(note)
-        elif cfg.val_before_train:
-            self.val_before = self.validate()
-            self.tracker.log(self.val_before, step=0)
-        summary = RunSummary(self.out, cfg.total_steps, self.val_before, self.val_latest)
-        progress = TrainingProgress(cfg.total_steps, self.step, self.console)
-        try:
+        progress = None
+        try:  # a refused checkpoint or a Ctrl-C before the first step still closes the workers
+            if self.maybe_resume():
+                note = f"resuming {self.out} from step {self.step} of {cfg.total_steps}"
+                if self.step >= cfg.total_steps:
+                    note += " (already finished: raise trainer.total_steps or use a new output_dir)"
+                self.console.print(note)
+            elif cfg.val_before_train:
+                self.val_before = self.validate()
+                self.tracker.log(self.val_before, step=0)
+            summary = RunSummary(self.out, cfg.total_steps, self.val_before, self.val_latest)
+            progress = TrainingProgress(cfg.total_steps, self.step, self.console)
             while self.step < cfg.total_steps:
                 self.step += 1
                 metrics = self.train_step()
@@ -286,7 +303,8 @@ class RLTrainer:
                 if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
                     self.save_checkpoint()
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
             self.close()
         summary.seconds = time.perf_counter() - began
         return summary

@@ -11,6 +11,12 @@ Two formats, both safetensors + JSON (no pickle), both loadable by any number of
 
 Tied weights (the LM head sharing the embedding) are stored once; the other names are
 recorded as aliases in the JSON meta.
+
+Before anything is loaded, ``checkpoint_mismatch`` compares the checkpoint with the models from
+the safetensors headers and the JSON meta alone: every tensor name and (full, gathered) shape,
+the optimizer state's parameter names and shapes, and the meta's types. It names the first
+difference (written for another model, or rewritten under a recomputed manifest), so a
+checkpoint that does not fit is refused whole instead of half loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -29,9 +36,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from creditrl.errors import DataError
 from creditrl.workers.distributed import is_distributed, rank, world_size
 
-__all__ = ["load_trainable", "save_trainable"]
+__all__ = [
+    "CheckpointMismatchError",
+    "checkpoint_mismatch",
+    "load_trainable",
+    "save_trainable",
+    "trainable_mismatch",
+]
+
+MAX_RANKS = 1 << 16  # a sharded checkpoint's world_size beyond this is not a real one
+
+
+class CheckpointMismatchError(DataError):
+    """A checkpoint whose tensors do not fit the models (names the first difference)."""
 
 
 def _local(value: Any) -> Any:
@@ -153,15 +173,174 @@ def save_trainable(
 
 def _files(directory: Path, name: str, part: str, meta: dict[str, Any]) -> list[Path]:
     if meta["format"] == "sharded":
-        files = [
-            directory / f"{name}.{part}.rank{r}.safetensors" for r in range(meta["world_size"])
-        ]
-    else:
-        files = [directory / f"{name}.{part}.safetensors"]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {directory} lacks {name!r} files: {missing}")
-    return files
+        return [directory / f"{name}.{part}.rank{r}.safetensors" for r in range(meta["world_size"])]
+    return [directory / f"{name}.{part}.safetensors"]
+
+
+Shapes = dict[str, list[int]]
+
+
+def _quoted(key: str) -> str:
+    """A tensor name read from a file, quoted and escaped (a header may hold any text)."""
+    return repr(key[:120])
+
+
+def _str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+def _optim_meta_ok(optim: Any) -> bool:
+    return (
+        isinstance(optim, dict)
+        and _str_map(optim.get("aliases"))
+        and _str_list(optim.get("sharded"))
+        and isinstance(optim.get("scalars"), dict)
+        and all(isinstance(v, dict) for v in optim["scalars"].values())
+        and isinstance(optim.get("param_groups"), list)
+        and all(isinstance(g, dict) and _str_list(g.get("params")) for g in optim["param_groups"])
+    )
+
+
+def _meta_problem(name: str, meta: Any) -> str | None:
+    """What in ``name``'s JSON meta (kept in state.json) has the wrong type, or None."""
+    where = f"state.json: part {name!r}"
+    if not isinstance(meta, dict) or meta.get("format") not in ("full", "sharded"):
+        return f"{where} has no format 'full' or 'sharded'"
+    ranks = meta.get("world_size")
+    if meta["format"] == "sharded" and not (isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS):
+        return f"{where} has world_size {str(ranks)[:20]}, not 1 to {MAX_RANKS}"
+    if not _str_map(meta.get("model_aliases")) or not _str_list(meta.get("model_sharded")):
+        return f"{where} lacks model_aliases or model_sharded"
+    if meta.get("optim") is not None and not _optim_meta_ok(meta["optim"]):
+        return f"{where} has a malformed optim entry"
+    if not isinstance(meta.get("scheduler"), dict | None):
+        return f"{where} has a scheduler state that is not a JSON object"
+    return None
+
+
+def _part_shapes(
+    directory: Path, name: str, part: str, meta: dict[str, Any], aliases: dict, sharded: list
+) -> tuple[str, Shapes] | str:
+    """(the files' label, each tensor's full shape as loading builds it: shards stacked along
+    dimension 0, aliases resolved), read from the safetensors headers; or why that fails."""
+    files = _files(directory, name, part, meta)
+    label = files[0].name if len(files) == 1 else f"{name}.{part}.rank*.safetensors"
+    per_file = []
+    for path in files:
+        if not path.is_file():
+            return f"{path.name}: missing"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = f.keys()  # a safe_open handle is not iterable
+                per_file.append({k: list(f.get_slice(k).get_shape()) for k in names})
+        except Exception as err:  # safetensors raises its own error types for a bad header
+            return f"{path.name}: unreadable safetensors header ({str(err).splitlines()[0][:120]})"
+    stacked = set(sharded)
+    shapes: Shapes = {}
+    for key, shape in per_file[0].items():
+        if key in stacked:
+            parts = [found.get(key) for found in per_file]
+            if not shape or any(not p or p[1:] != shape[1:] for p in parts):
+                return f"{label}: the shards of {_quoted(key)} do not stack"
+            shape = [sum(p[0] for p in parts), *shape[1:]]
+        shapes[key] = shape
+    for alias, target in aliases.items():
+        if target not in shapes:
+            return f"{label}: alias {_quoted(alias)} names {_quoted(target)}, which it lacks"
+        shapes[alias] = shapes[target]
+    return label, shapes
+
+
+def _shapes_differ(label: str, key: str, stored: list[int], model: list[int]) -> str:
+    return f"{label}: {_quoted(key)} has shape {stored} in the checkpoint, {model} in the model"
+
+
+def _difference(label: str, found: Shapes, expected: Shapes) -> str | None:
+    """The first tensor whose name or shape differs: the model's order, then extra names."""
+    for key, shape in expected.items():
+        if key not in found:
+            return f"{label}: {_quoted(key)} is missing (shape {shape} in the model)"
+        if found[key] != shape:
+            return _shapes_differ(label, key, found[key], shape)
+    extra = next((key for key in found if key not in expected), None)
+    if extra is not None:
+        return f"{label}: {_quoted(extra)} (shape {found[extra]}) is not in the model"
+    return None
+
+
+def _optim_difference(
+    label: str,
+    found: Shapes,
+    optim: dict[str, Any],
+    params: Shapes,
+    optimizer: torch.optim.Optimizer,
+) -> str | None:
+    """The first optimizer state entry that names no parameter of the model or has another
+    shape than its parameter; or parameter groups of other sizes."""
+    for key, shape in found.items():
+        fqn, sep, _ = key.rpartition("::")
+        if not sep or fqn not in params:
+            return f"{label}: {_quoted(key)} is the state of no parameter of the model"
+        if shape and shape != params[fqn]:
+            return _shapes_differ(label, key, shape, params[fqn])
+    unknown = [fqn for fqn in optim["scalars"] if fqn not in params]
+    unknown += [p for group in optim["param_groups"] for p in group["params"] if p not in params]
+    if unknown:
+        return (
+            f"state.json: optimizer state for {_quoted(unknown[0])}, not a parameter of the model"
+        )
+    sizes = [len(group["params"]) for group in optim["param_groups"]]
+    ours = [len(group["params"]) for group in optimizer.param_groups]
+    if sizes != ours:
+        return f"state.json: optimizer parameter groups of {sizes} parameters, the model's {ours}"
+    return None
+
+
+def trainable_mismatch(
+    directory: Path,
+    name: str,
+    meta: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> str | None:
+    """Why ``name``'s files in ``directory`` cannot be loaded into ``model`` and ``optimizer``
+    ("file: problem": a malformed meta, a missing file, the first tensor whose name or full
+    shape differs), or None. Reads only the JSON meta and the safetensors headers."""
+    problem = _meta_problem(name, meta)
+    if problem is not None:
+        return problem
+    params = {k: list(v.shape) for k, v in get_model_state_dict(model).items()}
+    found = _part_shapes(
+        directory, name, "model", meta, meta["model_aliases"], meta["model_sharded"]
+    )
+    if isinstance(found, str):
+        return found
+    problem = _difference(*found, params)
+    if problem is not None or optimizer is None or meta.get("optim") is None:
+        return problem
+    optim = meta["optim"]
+    found = _part_shapes(directory, name, "optim", meta, optim["aliases"], optim["sharded"])
+    if isinstance(found, str):
+        return found
+    return _optim_difference(*found, optim, params, optimizer)
+
+
+def checkpoint_mismatch(directory: Path, meta: Any, trainables: dict[str, tuple]) -> str | None:
+    """``trainable_mismatch`` for each ``name -> (model, optimizer, scheduler)``, the first
+    problem found; a checkpoint without one of them does not fit either."""
+    if not isinstance(meta, dict):
+        return "state.json: its parts are not a JSON object"
+    for name, (model, optimizer, _) in trainables.items():
+        if name not in meta:
+            return f"state.json: no part {name!r} (the checkpoint was written without it)"
+        problem = trainable_mismatch(directory, name, meta[name], model, optimizer)
+        if problem is not None:
+            return problem
+    return None
 
 
 def load_trainable(
@@ -172,12 +351,16 @@ def load_trainable(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
 ) -> None:
-    """Restore what ``save_trainable`` wrote, for the current number of ranks (collective)."""
+    """Restore what ``save_trainable`` wrote, for the current number of ranks (collective).
+    Raises ``CheckpointMismatchError``, having loaded nothing, when it does not fit."""
+    problem = trainable_mismatch(directory, name, meta, model, optimizer)
+    if problem is not None:
+        raise CheckpointMismatchError(f"checkpoint {directory} does not fit the model: {problem}")
     files = _files(directory, name, "model", meta)
     model_state = _gather_shards(files, meta["model_aliases"], meta["model_sharded"])
     options = StateDictOptions(full_state_dict=True, strict=True)
     set_model_state_dict(model, model_state, options=options)
-    if optimizer is None or "optim" not in meta:
+    if optimizer is None or meta.get("optim") is None:
         return
     optim_meta = meta["optim"]
     optim_files = _files(directory, name, "optim", meta)

@@ -42,7 +42,7 @@ from creditrl.models import (
 from creditrl.pipeline.plan import Plan
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.workers.actor import ActorWorker
-from creditrl.workers.checkpoint_io import load_trainable, save_trainable
+from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
@@ -357,11 +357,15 @@ class HybridWorker:
         save_file(gens, str(path / f"generators.rank{self.rank}.safetensors"))
         return meta
 
-    def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> None:
-        """Restore from ``directory`` for this world size (a collective). Random streams are
+    def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> str | None:
+        """Restore from ``directory`` for this world size (a collective); None, or why the
+        checkpoint does not fit these models (then nothing is loaded). Random streams are
         restored when the checkpoint was written by as many ranks; else they restart from
         the seed (the data order is the controller's and does not change)."""
         path = Path(directory)
+        problem = checkpoint_mismatch(path, meta, self.trainables())
+        if problem is not None:
+            return problem
         for name, parts in self.trainables().items():
             load_trainable(path, name, meta[name], *parts)
         if self.actor is not None:
@@ -372,6 +376,7 @@ class HybridWorker:
             for key, gen in self.generators().items():
                 if f"rank{self.rank}.{key}" in states:
                     gen.set_state(states[f"rank{self.rank}.{key}"])
+        return None
 
 
 def _reduce(metrics: dict[str, float]) -> dict[str, float]:
