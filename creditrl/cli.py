@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from pathlib import Path
 
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         ("train", "train (the default: GRPO on SmolLM2-135M-Instruct, chain_sum)"),
         ("run", "alias of train"),
         ("config", "print the resolved config, or with --doc what every key means"),
-        ("eval", "validation only"),
     ]:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print_error(console, err)
         return 2
+    except KeyboardInterrupt:
+        print_warning(console, "interrupted")
+        return 130
 
 
 def _doc(args: argparse.Namespace, console: Console) -> int:
@@ -108,7 +111,7 @@ def _doc(args: argparse.Namespace, console: Console) -> int:
 
 
 def _run(command: str, config_file: Path | None, overrides: list[str], console: Console) -> int:
-    """train/run, config or eval; a UserError anywhere propagates to ``main``."""
+    """train/run or config; a UserError anywhere propagates to ``main``."""
     loaded = load_config_with_sources(config_file, overrides)
     cfg = loaded.config
     for line in loaded.warnings:
@@ -124,15 +127,14 @@ def _run(command: str, config_file: Path | None, overrides: list[str], console: 
 
     console.print(describe_sizes(cfg))
     trainer = RLTrainer(cfg, console=console)
-    if command == "eval":
-        metrics = trainer.validate()
-        for key, value in sorted(metrics.items()):
-            console.print(f"{key}: {value:.4f}")
-        return 0
     from creditrl.controller.ray_group import WorkerError
 
     try:
         summary = trainer.fit()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback now
+        print_warning(console, trainer.interruption())
+        return 130
     except WorkerError as err:
         console.print(f"[red]worker error:[/red] {err}", markup=True)
         console.print(
