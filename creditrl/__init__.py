@@ -7,14 +7,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from creditrl.api import train
     from creditrl.batch import Batch
+    from creditrl.exporting import export
 
-__all__ = ["Batch", "__version__", "train"]
+__all__ = ["Batch", "__version__", "export", "train"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``creditrl.Batch`` and ``creditrl.train`` on first use: subprocesses that import a small
-    part of the package (reward workers) do not pay for torch and tensordict."""
+    """``creditrl.Batch``, ``creditrl.train`` and ``creditrl.export`` on first use: subprocesses
+    that import a small part of the package (reward workers) do not pay for torch and
+    tensordict."""
     if name == "Batch":
         from creditrl.batch import Batch
 
@@ -23,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from creditrl.api import train
 
         return train
+    if name == "export":
+        from creditrl.exporting import export
+
+        return export
     raise AttributeError(f"module 'creditrl' has no attribute {name!r}")

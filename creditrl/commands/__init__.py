@@ -14,4 +14,6 @@ SUBCOMMANDS: list[str] = [
     "creditrl.commands.async_train",
     "creditrl.commands.report",
     "creditrl.commands.check_tokenization",
+    "creditrl.commands.export",
+    "creditrl.commands.evaluate",
 ]

@@ -1,0 +1,111 @@
+"""``export``: one checkpoint of a run as a standard Hugging Face directory with a model card."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers.utils.hub import convert_file_size_to_int
+
+from creditrl import __version__
+from creditrl.config.loader import load_config
+from creditrl.errors import UserError
+from creditrl.exporting.card import model_card
+from creditrl.exporting.options import DEFAULT_MAX_SHARD_SIZE, DTYPES
+from creditrl.exporting.sources import RunCheckpoint, find_checkpoint
+from creditrl.exporting.weights import (
+    load_actor,
+    staged_dir,
+    write_adapter,
+    write_merged,
+    write_tokenizer,
+)
+from creditrl.models import resolve_model_path, torch_dtype
+
+__all__ = ["ExportResult", "export"]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export`` wrote: the directory, the checkpoint it came from, the files, and the
+    newer damaged checkpoints it skipped (one ``"step_N (file: problem)"`` each)."""
+
+    out_dir: Path
+    checkpoint: Path
+    step: int
+    files: tuple[str, ...]
+    skipped: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def _check_options(dtype: str | None, max_shard_size: int | str) -> int:
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+        size = convert_file_size_to_int(max_shard_size)
+    except (TypeError, ValueError):
+        size = 0
+    if isinstance(max_shard_size, bool) or size <= 0:
+        raise UserError(
+            f"max shard size {max_shard_size!r} is not a positive size such as 5GB, 500MB or a "
+            "number of bytes"
+        )
+    return size
+
+
+def _check_out(out: Path, ckpt: RunCheckpoint) -> None:
+    here = out.resolve()
+    if here == ckpt.directory.resolve() or ckpt.directory.resolve().is_relative_to(here):
+        raise UserError(f"OUT_DIR {out} holds the checkpoint being exported; choose another")
+
+
+def export(
+    run_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    adapter: bool = False,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> ExportResult:
+    """Write a run's checkpoint as a Hugging Face directory that ``AutoModelForCausalLM`` and
+    ``AutoTokenizer.from_pretrained`` load without creditrl.
+
+    - ``run_dir``: a run directory (its newest complete checkpoint, or that of ``step``) or a
+      ``checkpoints/step_NNNNNN`` directory.
+    - ``dtype``: ``float32``, ``bfloat16`` or ``float16``; None: the run's ``model.dtype``.
+    - ``adapter``: a LoRA run's adapters alone, as a peft directory (default: merged weights).
+    - ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise).
+    - ``max_shard_size``: safetensors files are split past this size (``"5GB"``, bytes).
+
+    Everything is written into a temporary directory beside ``out_dir`` and renamed into place,
+    so a failure leaves nothing behind. Bad input raises a one-line ``UserError``.
+    """
+    shard_bytes = _check_options(dtype, max_shard_size)
+    out = Path(out_dir).expanduser()
+    ckpt = find_checkpoint(run_dir, step)
+    _check_out(out, ckpt)
+    cfg = load_config(ckpt.config_file)
+    if adapter and cfg.model.lora_rank <= 0:
+        raise UserError(
+            f"--adapter needs a LoRA run; {ckpt.config_file} has model.lora_rank=0, so the "
+            "run trained every weight: export without --adapter"
+        )
+    dtype = dtype or str(torch_dtype(cfg.model.dtype)).removeprefix("torch.")
+    with staged_dir(out, overwrite) as tmp:
+        model = load_actor(ckpt, cfg)
+        if adapter:
+            write_adapter(model, tmp, torch_dtype(dtype))
+        else:
+            write_merged(model, tmp, torch_dtype(dtype), shard_bytes)
+        base_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        write_tokenizer(base_dir, tmp)
+        card, skipped = model_card(cfg, ckpt, out.name, base_dir, adapter, dtype, __version__)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        files = tuple(sorted(p.name for p in tmp.iterdir()))
+    notes = (f"{ckpt.run_dir / 'metrics.jsonl'}: {skipped} unreadable lines skipped",) * (
+        skipped > 0
+    )
+    return ExportResult(out, ckpt.directory, ckpt.step, files, ckpt.skipped, notes)
