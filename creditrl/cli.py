@@ -33,12 +33,12 @@ def describe_sizes(cfg: Config) -> str:
 def print_error(console: Console, err: Exception) -> None:
     """``err`` as one red line "error: ..." (a UserError's message is the whole story)."""
     text = " ".join(str(err).splitlines())
-    console.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
+    console.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True, highlight=False)
 
 
 def print_warning(console: Console, text: str) -> None:
     """One yellow line "warning: ..."."""
-    console.print(f"[yellow]warning: {escape(text)}[/yellow]", soft_wrap=True)
+    console.print(f"[yellow]warning: {escape(text)}[/yellow]", soft_wrap=True, highlight=False)
 
 
 def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
@@ -119,13 +119,13 @@ def _run(command: str, config_file: Path | None, overrides: list[str], console: 
     if command == "config":
         from omegaconf import OmegaConf
 
-        console.print(OmegaConf.to_yaml(to_dict(cfg)), markup=False)
-        console.print(describe_sizes(cfg))
+        console.print(OmegaConf.to_yaml(to_dict(cfg)), markup=False, highlight=False)
+        console.print(describe_sizes(cfg), highlight=False)
         return 0
     from creditrl.tracking import print_summary
     from creditrl.trainers.rl_trainer import RLTrainer
 
-    console.print(describe_sizes(cfg))
+    console.print(describe_sizes(cfg), highlight=False)
     trainer = RLTrainer(cfg, console=console)
     from creditrl.controller.ray_group import WorkerError
 

@@ -29,6 +29,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from creditrl.config.limits import MAX_CONFIG_BYTES, check_override, check_yaml, shorten
 from creditrl.config.schema import Config
 from creditrl.config.validate import format_value, unused_settings, validate_config
 from creditrl.config.verl_names import creditrl_name
@@ -187,7 +188,7 @@ def _merge(base: DictConfig, tree: dict[str, Any], source: str) -> DictConfig:
         raise ConfigError(f"unknown key '{key}' (from {source}){_suggest(key)}") from None
     except ValidationError as err:
         key = str(getattr(err, "full_key", "") or "")
-        value = format_value(_lookup(tree, key))
+        value = shorten(format_value(_lookup(tree, key)))
         raise ConfigError(f"{key}: {value} is not {_describe(key)} (from {source})") from None
 
 
@@ -199,17 +200,22 @@ def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    """A YAML file as a plain dict; one-line errors for syntax and a top level that is not a
-    mapping."""
+    """A YAML file as a plain dict; one-line errors for its size (``creditrl.config.limits``),
+    syntax and a top level that is not a mapping."""
     try:
-        top = yaml.safe_load(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size} bytes, above the limit of {MAX_CONFIG_BYTES}")
+        text = path.read_text(encoding="utf-8")
+        check_yaml(text, str(path))
+        top = yaml.safe_load(text)
         if top is not None and not isinstance(top, dict):
             found = "a list" if isinstance(top, list) else f"the value {top!r}"
             raise ConfigError(
                 f"{path} is not a mapping of config keys (its top level is {found}); write "
                 "e.g. 'rollout:' and below it '  n: 8'"
             )
-        return OmegaConf.to_container(OmegaConf.load(path))
+        return OmegaConf.to_container(OmegaConf.create(text))
     except yaml.YAMLError as err:
         raise _yaml_error(path, err) from None
     except (OSError, UnicodeDecodeError) as err:
@@ -217,18 +223,23 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _parse_override(item: str) -> dict[str, Any]:
-    """``a.b=value`` as ``{"a": {"b": value}}``, the value read as YAML."""
+    """``a.b=value`` as ``{"a": {"b": value}}``, the value read as YAML (within
+    ``creditrl.config.limits``)."""
     if "=" not in item:
-        raise ConfigError(f"override '{item}' is not of the form key=value")
+        raise ConfigError(f"override '{shorten(item)}' is not of the form key=value")
+    check_override(item)
     key, text = item.split("=", 1)
     if not KEY.match(key):
-        raise ConfigError(f"override '{item}': '{key}' is not a dotted key such as actor.optim.lr")
+        raise ConfigError(
+            f"override '{shorten(item)}': '{shorten(key)}' is not a dotted key such as "
+            "actor.optim.lr"
+        )
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={text}"]))
     except (yaml.YAMLError, OmegaConfBaseException, ValueError) as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(
-            f"override '{item}': cannot read the value {text!r} ({problem})"
+            f"override '{shorten(item)}': cannot read the value {shorten(text)!r} ({problem})"
         ) from None
 
 
@@ -259,7 +270,7 @@ def load_config_with_sources(
         if "preset" in tree:
             preset = str(tree["preset"])
         else:
-            override_trees.append((tree, f"override '{item}'"))
+            override_trees.append((tree, f"override '{shorten(item)}'"))
     file_preset = file_tree.pop("preset", None)
     preset = preset or file_preset
     layers: list[tuple[dict[str, Any], str, bool]] = []
