@@ -209,6 +209,77 @@ def test_overlong_prompts_dropped_and_counted_or_raise(tokenizer):
         PromptDataset(rows[1:2], tokenizer, limit)
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_dropped_untokenized(tokenizer, monkeypatch):
+    """A prompt of 20 million characters (max_prompt_length=64 tokens spell at most
+    64 x max_token_chars of them) is dropped and counted without going through the chat
+    template and the tokenizer (before: tokenized whole, ~20 s and GBs, then dropped);
+    with overlong_prompt=raise it is one DataError naming its row and its length."""
+    from creditrl.data.dataset import max_token_chars
+
+    calls = []
+    real = type(tokenizer).apply_chat_template
+
+    def counted(self, messages, *args, **kwargs):
+        calls.append(sum(len(m["content"]) for m in messages))
+        return real(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
+    huge = [{"role": "user", "content": "7" * 20_000_000}]
+    short = [{"role": "user", "content": "Hi"}]
+    rows = [
+        PromptRow(m, "x", "toy", {}, f"row {i} of f.jsonl")
+        for i, m in enumerate([short, huge, short], 1)
+    ]
+    ds = PromptDataset(rows, tokenizer, 64)
+    assert len(ds) == 2 and ds.num_dropped_overlong == 1
+    assert calls == [2, 2]  # the huge prompt never reached the template
+    assert 64 * max_token_chars(tokenizer) < 20_000_000
+    with pytest.raises(
+        DataError, match=r"^row 2 of f\.jsonl: prompt has 20000000 characters, more "
+    ):
+        PromptDataset(rows, tokenizer, 64, overlong_prompt="raise")
+    with pytest.raises(DataError, match=r"all 1 prompts of train are longer .*each over \d+ char"):
+        PromptDataset(rows[1:2], tokenizer, 64)
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        (
+            '{"prompt": "x", "ground_truth": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "nested 100001 deep, above the limit of 64",
+        ),
+        (
+            '{"prompt": "x", "ground_truth": [' + "[]," * 600_000 + '1], "data_source": "t"}',
+            "elements, above the limit of 1048576",
+        ),
+    ],
+    ids=["deep", "many-elements"],
+)
+def test_deep_or_huge_json_rows_are_one_line_naming_the_row(tmp_path, line, message):
+    """A row nested 100,000 deep (a RecursionError before) or of 1.2 million elements is one
+    DataError naming the file, the row and the limit, found before the row is decoded."""
+    path = write_jsonl(tmp_path / "train.jsonl", [row(0), line])
+    with pytest.raises(RowError) as info:
+        read_rows(path)
+    assert str(info.value).startswith(f"row 2 of {path}: ") and message in str(info.value)
+
+
+def test_cli_train_on_a_deep_json_row_is_one_line(tmp_path, capsys):
+    from creditrl.cli import main
+    from creditrl.models.tiny import tiny_model_dir
+
+    deep = '{"prompt": "x", "ground_truth": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    path = write_jsonl(tmp_path / "train.jsonl", [row(0), deep])
+    args = [f"model.path={tiny_model_dir()}", f"data.train_files={path}", f"data.val_files={path}",
+            f"trainer.output_dir={tmp_path / 'out'}", "trainer.logger=[jsonl]"]  # fmt: skip
+    assert main(["train", *args]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    errors = [line for line in out.out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "row 2 of" in errors[0] and "above the limit of 64" in errors[0]
+
+
 # ---- collate ---------------------------------------------------------------------------------
 
 

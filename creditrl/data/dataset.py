@@ -13,7 +13,7 @@ from creditrl.data.rows import PromptRow
 from creditrl.errors import ConfigError, DataError
 from creditrl.usercode import one_line
 
-__all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids"]
+__all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids", "max_token_chars", "prompt_chars"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,20 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     return [int(t) for t in ids]
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for: the longest entry of its
+    vocabulary (byte-level BPE spells each byte as one character, and a decoded character
+    takes at least one byte; a byte-fallback entry such as ``<0x41>`` is longer than what it
+    stands for)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text contents, less surrounding whitespace (a chat template
+    may trim it)."""
+    return sum(len(m["content"].strip()) for m in messages if isinstance(m.get("content"), str))
+
+
 class PromptDataset:
     """Rows ready for rollout. Each item is a dict:
 
@@ -40,8 +54,10 @@ class PromptDataset:
 
     Prompts longer than ``max_prompt_length`` tokens are dropped and counted
     (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise DataError
-    naming the row; when every prompt is too long, DataError names ``origin`` (where the rows
-    came from, e.g. the files) and the shortest length. ``num_dropped_overlap`` counts task
+    naming the row; one whose text has more characters than ``max_prompt_length`` tokens could
+    ever spell (``max_token_chars``) is known to be too long before it is tokenized, in time
+    linear in its characters; when every prompt is too long, DataError names ``origin``
+    (where the rows came from, e.g. the files) and the shortest length. ``num_dropped_overlap`` counts task
     rows dropped for repeating validation.
     """
 
@@ -73,7 +89,18 @@ class PromptDataset:
         self.num_dropped_overlap = 0
         self._rows: list[dict[str, Any]] = []
         shortest_overlong: int | None = None
+        most_chars = max_prompt_length * max_token_chars(tokenizer)
         for row in rows:
+            chars = prompt_chars(row.messages)
+            if chars > most_chars:
+                if overlong_prompt == "raise":
+                    raise DataError(
+                        f"{row.source}: prompt has {chars} characters, more than "
+                        f"data.max_prompt_length={max_prompt_length} tokens can hold "
+                        "(data.overlong_prompt=raise); raise the limit or shorten the prompt"
+                    )
+                self.num_dropped_overlong += 1
+                continue
             try:
                 ids = chat_prompt_ids(tokenizer, row.messages)
             except Exception as e:
@@ -112,10 +139,15 @@ class PromptDataset:
         if not rows:
             raise DataError(f"{origin or split}: no prompts")
         if not self._rows:
+            shortest = (
+                f"shortest: {shortest_overlong}"
+                if shortest_overlong is not None
+                else f"each over {most_chars} characters"
+            )
             raise DataError(
                 f"all {len(rows)} prompts of {origin or split} are longer than "
                 f"data.max_prompt_length={max_prompt_length} tokens after the chat template "
-                f"(shortest: {shortest_overlong}); raise data.max_prompt_length"
+                f"({shortest}); raise data.max_prompt_length"
             )
 
     def __len__(self) -> int:

@@ -16,12 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
 from creditrl.errors import DataError
 from creditrl.usercode import one_line
 
 __all__ = ["ROLES", "PromptRow", "RowError", "parse_row", "read_rows", "read_rows_from_files"]
 
 ROLES = ("system", "user", "assistant", "tool")
+# One row of a jsonl file: 64 MiB (a prompt that long is dropped by its length before it is
+# tokenized), nested 64 deep, a million elements
+ROW_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=64, max_items=1 << 20)
 
 
 class RowError(DataError):
@@ -72,6 +76,8 @@ def _json_safe(value: Any, where: str, key: str) -> None:
         json.dumps(value)
     except (TypeError, ValueError) as e:
         raise RowError(f"{where}: {key!r} is not JSON-serialisable ({e})") from e
+    except RecursionError:
+        raise RowError(f"{where}: {key!r} is nested too deep to store") from None
 
 
 def parse_row(obj: Any, where: str) -> PromptRow:
@@ -125,15 +131,23 @@ def _decode(raw: bytes, where: str, first: bool) -> str:
 
 
 def _read_jsonl(path: str) -> list[PromptRow]:
+    """Rows of a jsonl file; a line is read at most ``ROW_LIMITS.max_bytes`` at a time and
+    decoded only within ``ROW_LIMITS`` (``creditrl.bounded_json``)."""
     rows = []
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while raw := f.readline(ROW_LIMITS.max_bytes + 1):
+            number += 1
             where = f"row {number} of {path}"
+            if len(raw) > ROW_LIMITS.max_bytes:
+                raise RowError(f"{where} is longer than the limit of {ROW_LIMITS.max_bytes} bytes")
             line = _decode(raw, where, number == 1)
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = loads_bounded(line, ROW_LIMITS)
+            except JsonLimitError as e:
+                raise RowError(f"{where}: {e}") from None
             except json.JSONDecodeError as e:
                 raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from None
             rows.append(parse_row(obj, where))
