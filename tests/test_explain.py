@@ -1,6 +1,7 @@
 """``creditrl explain``: the spec 000 example printed exactly, views of a rollout dump (with
 observation spans and turns), views computed from a prompt with a model, clip flags, errors."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -300,3 +301,23 @@ def test_readme_explain_example_runs_as_written(tmp_path, monkeypatch) -> None:
     assert main([*argv, f"model.path={tiny_model_dir()}"]) == 0
     html = argv[argv.index("--html") + 1]
     assert (tmp_path / html).stat().st_size > 1000
+
+
+def test_a_page_stays_a_page_whatever_the_text(tmp_path: Path) -> None:
+    """Text that would end or unbalance the page's script element ("</script>", "<!--<script>")
+    or inject markup: the JSON inside the script holds no "<" at all, decodes to the texts as
+    they were, and the page ends with its own closing tags."""
+    hostile = "<!--<script> </script><img src=x onerror=alert(1)> & \u2028 </SCRIPT >"
+    page = tmp_path / "x.html"
+    args = ["explain", "--prompt", hostile, "--response", hostile, "--ground-truth", hostile,
+            "--html", str(page), f"model.path={tiny_model_dir()}"]  # fmt: skip
+    assert main(args) == 0
+    text = page.read_text()
+    start = text.index('<script type="application/json" id="explain-data">')
+    body = text[start:].split(">", 1)[1]
+    data, rest = body.split("</script>", 1)
+    assert "<" not in data
+    assert rest.startswith("<script>") and rest.endswith("</script></body></html>")
+    assert rest.count("</script>") == 1 and "<img" not in text
+    decoded = json.dumps(json.loads(data), ensure_ascii=False)
+    assert "onerror=alert(1)" in decoded and "<!--<script>" in decoded

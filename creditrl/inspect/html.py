@@ -255,7 +255,9 @@ def render_html(
         "headers": {n: header(n) for n in COLUMNS},
         "kinds": {n: c.kind for n, c in COLUMNS.items()},
     }
-    data = json.dumps(payload, ensure_ascii=False).replace("</", "<\\/")
+    # no "<" at all inside the script element: "</script>" would end it, and "<!--<script>"
+    # would make the parser swallow the rest of the page; in JSON it only occurs in strings
+    data = json.dumps(payload, ensure_ascii=False).replace("<", "\\u003c")
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
