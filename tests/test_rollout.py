@@ -436,6 +436,20 @@ def test_generation_passes_the_cache_by_its_current_name(
     assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
 
 
+def test_a_lora_model_gets_the_cache_by_its_base_models_name(model, tokenizer) -> None:
+    """A peft model's forward takes **kwargs and hands them to the base model, so the base
+    model's forward names the keyword (before: `past_key_values`, which warned on every call);
+    applying LoRA itself warns of nothing either."""
+    from creditrl.models.loading import apply_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lora = apply_lora(copy.deepcopy(model), rank=4, alpha=8, target_modules="q_proj,v_proj")
+        assert hf_engine.cache_keyword(lora) == hf_engine.cache_keyword(model)
+        engine(lora, tokenizer, eos_token_ids=[]).generate(prompt_batch(PROMPTS[:1]), seed=0)
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
+
+
 @pytest.mark.parametrize("rows", [1, 16, 80])
 def test_llama_decoder_lm_head_in_blocks(monkeypatch, rows):
     """The LM head's product in blocks of weight rows (the last one short) gives x @ W^T."""

@@ -57,8 +57,8 @@ class PromptDataset:
     naming the row; one whose text has more characters than ``max_prompt_length`` tokens could
     ever spell (``max_token_chars``) is known to be too long before it is tokenized, in time
     linear in its characters; when every prompt is too long, DataError names ``origin``
-    (where the rows came from, e.g. the files) and the shortest length. ``num_dropped_overlap`` counts task
-    rows dropped for repeating validation.
+    (where the rows came from, e.g. the files) and the shortest length.
+    ``num_dropped_overlap`` counts task rows dropped for repeating validation.
     """
 
     def __init__(

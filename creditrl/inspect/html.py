@@ -90,8 +90,9 @@ function show(el){
     return '<tr><td>' + data.headers[n] + '</td><td class="val" data-col="' + n + '">' +
       val.replace(/&/g,'&amp;').replace(/</g,'&lt;') + '</td></tr>';
   });
-  tip.innerHTML = '<b>' + data.views[+el.dataset.view].title.replace(/</g,'&lt;') +
-    '</b><table>' + rows.join('') + '</table>';
+  const title = data.views[+el.dataset.view].title;
+  tip.innerHTML = '<b>' + title.replace(/&/g,'&amp;').replace(/</g,'&lt;') + '</b><table>' +
+    rows.join('') + '</table>';
   tip.hidden = false;
   const r = el.getBoundingClientRect();
   tip.style.left = Math.min(r.left, window.innerWidth - 320) + 'px';

@@ -7,6 +7,7 @@ path must be a local Hugging Face directory, and every ``from_pretrained`` runs 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -152,7 +153,13 @@ def apply_lora(
         lora_dropout=dropout,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft (0.21.2, the newest) reads transformers' deprecated `is_gradient_checkpointing`
+        # alias in PeftModel.__init__; the call is theirs, so only that one warning is hidden
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(model, config)
 
 
 @contextmanager

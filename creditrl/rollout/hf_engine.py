@@ -615,7 +615,11 @@ def cache_keyword(model: nn.Module) -> str:
     """The forward keyword that takes a KV cache: ``cache`` where transformers renamed
     ``past_key_values`` (the old name then warns on every call), else ``past_key_values``. The
     nearest class whose ``forward`` names either decides (a subclass forwarding ``**kwargs`` to
-    its parent's forward defers to the parent)."""
+    its parent's forward defers to the parent); a peft model passes it on to its base model,
+    whose forward decides."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        model = get_base_model()
     for cls in type(model).__mro__:
         forward = cls.__dict__.get("forward")
         if forward is None:
