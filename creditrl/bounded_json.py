@@ -20,6 +20,7 @@ which the async learner charges against its buffer.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "held_bytes",
     "json_shape",
     "loads_bounded",
+    "read_json_file",
 ]
 
 # A JSON string literal, unrolled so that the engine loops without backtracking; one never
@@ -121,3 +123,11 @@ def loads_bounded(data: str | bytes, limits: JsonLimits, allow_nan: bool = True)
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_json_file(path: str | os.PathLike[str], limits: JsonLimits = RUN_RECORD_LIMITS) -> Any:
+    """``loads_bounded`` of the file at ``path``, of which at most ``limits.max_bytes + 1``
+    bytes are read (a longer file is a ``JsonLimitError``); OSError as ``open`` raises it."""
+    with open(path, "rb") as f:
+        data = f.read(limits.max_bytes + 1)
+    return loads_bounded(data, limits)

@@ -760,3 +760,35 @@ def test_cli_full_disk_during_a_save_stops_the_run_with_one_line(
     ]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert CheckpointManager(root).latest() == root / "step_000001"
+
+
+@pytest.mark.parametrize(
+    "name,text,reason",
+    [
+        ("manifest.json", '{"files": ' + "[" * 100_000 + "]" * 100_000 + "}",
+         "manifest.json: not a readable manifest"),
+        ("state.json", '{"step": 2, "state": ' + "[" * 100_000 + "]" * 100_000 + "}",
+         "state.json: not valid JSON"),
+    ],
+    ids=["manifest", "state"],
+)  # fmt: skip
+def test_deeply_nested_checkpoint_json_is_damage_not_a_recursion_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, text: str, reason: str
+) -> None:
+    """manifest.json or state.json nested 100,000 deep (a RecursionError before): the newest
+    checkpoint is named damaged in one line and the previous one used. state.json is resealed
+    so that only its nesting is wrong."""
+    ours = linear(3)
+    manager = CheckpointManager(tmp_path, max_keep=5)
+    manager.save(1, writer(ours), {"note": 1})
+    manager.save(2, writer(ours), {"note": 2})
+    newest = tmp_path / "step_000002"
+    (newest / name).write_text(text)
+    if name == "state.json":
+        (newest / "manifest.json").unlink()
+        checkpoint_module._seal(newest)
+    path, step, _ = manager.restore(reader(linear(3, seed=1)))
+    assert (path.name, step) == ("step_000001", 1)
+    assert warnings(caplog) == [
+        f"checkpoint step_000002 is damaged ({reason}); resuming from step_000001"
+    ]

@@ -9,11 +9,11 @@ hashes, safetensors headers, ``state.json``), and the actor's part of ``state.js
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from creditrl.bounded_json import read_json_file
 from creditrl.errors import DataError
 from creditrl.trainers.checkpoint import STEP_DIR, checkpoint_damage
 
@@ -75,7 +75,7 @@ def _str_map(value: Any) -> bool:
 def _actor_meta(directory: Path) -> dict[str, Any]:
     """state.json's ``parts.actor``, checked for type and range (``checkpoint_damage`` has
     already parsed the file)."""
-    payload = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    payload = read_json_file(directory / "state.json")
     parts = payload.get("parts")
     meta = parts.get("actor") if isinstance(parts, dict) else None
     where = f"checkpoint {directory}: state.json"

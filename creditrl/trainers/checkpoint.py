@@ -48,6 +48,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from creditrl.bounded_json import read_json_file
 from creditrl.errors import ConfigError, DataError, UserError
 from creditrl.trainers.state_io import rng_state, set_rng_state
 from creditrl.workers.checkpoint_io import CheckpointMismatchError
@@ -167,8 +168,8 @@ def _manifest_files(directory: Path) -> dict[str, dict[str, Any]] | str:
     if problem is not None:
         return f"{MANIFEST}: {problem}"
     try:
-        files = json.loads(path.read_text(encoding="utf-8"))["files"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        files = read_json_file(path)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST}: not a readable manifest"
     if not isinstance(files, dict):
         return f"{MANIFEST}: not a readable manifest"
@@ -208,8 +209,8 @@ def _file_damage(directory: Path, name: str, entry: dict[str, Any]) -> str | Non
 
 def _state_damage(directory: Path, step: int) -> str | None:
     try:
-        payload = json.loads((directory / "state.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        payload = read_json_file(directory / "state.json")
+    except (OSError, ValueError):  # JsonLimitError too: a text too deep or large to decode
         return "state.json: not valid JSON"
     if not isinstance(payload, dict) or not {"step", "state", "parts", "rng"} <= payload.keys():
         return "state.json: lacks step, state, parts or rng"
@@ -305,7 +306,7 @@ def _pointer(path: Path) -> tuple[str | None, str]:
 
 def _read_state(directory: Path) -> dict[str, Any]:
     """``state.json`` of a checkpoint that ``checkpoint_damage`` passed."""
-    return json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    return read_json_file(directory / "state.json")
 
 
 def _another_model(path: Path, problem: str) -> str:
