@@ -215,3 +215,24 @@ def test_suffix_sum_and_compaction_primitives() -> None:
     torch.testing.assert_close(
         suffix_sum_reverse_loop(x, mask, 0.5), torch.tensor([[1 + 0.5 * 5, 0, 5.0, 4.0]])
     )
+
+
+def test_estimators_are_called_by_keyword_in_any_parameter_order(monkeypatch) -> None:
+    """An estimator written in verl's GAE argument order (values second, no **kwargs) gets
+    every argument by name and only those it takes (before: index landed in `values` by
+    position, or an unexpected keyword raised TypeError); it equals the built-in gae."""
+    from creditrl.core import register_adv_est
+
+    monkeypatch.setattr(ADV_ESTIMATORS, "_items", dict(ADV_ESTIMATORS._items))
+
+    @register_adv_est("verl_order_gae_test", requires=("values",), options=("gamma", "lam"))
+    def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    options = dict(values=values, gamma=0.9, lam=0.8, norm_adv_by_std_in_grpo=True)
+    ours = compute_advantage("gae", rewards, mask, ["a", "b", "c"], **options)
+    theirs = compute_advantage("verl_order_gae_test", rewards, mask, ["a", "b", "c"], **options)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

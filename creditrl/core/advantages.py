@@ -13,6 +13,8 @@ keeps the raw score there for some estimators; we do not).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,8 +47,11 @@ def register_adv_est(
 ) -> Callable[[AdvFn], AdvFn]:
     """Decorator: register an advantage estimator under ``name`` (and ``aliases``).
 
-    It is called as ``fn(token_level_rewards, response_mask, index, **options)`` and returns
-    ``(advantages, returns)``, each (B, T). It declares what the trainer must build for it:
+    It is called with keyword arguments only, as verl calls its estimators:
+    ``fn(token_level_rewards=, response_mask=, index=, **options)``, so parameters may come in
+    any order (verl's GAE takes ``values`` second); a function without ``**kwargs`` gets only
+    the names it takes. It returns ``(advantages, returns)``, each (B, T). It declares what the
+    trainer must build for it:
 
     - ``requires``: catalogue fields it reads beyond rewards, mask and uid: ``values`` (a
       critic is built and trained), ``reward_baselines`` (the greedy baseline rollout),
@@ -80,9 +85,26 @@ def compute_advantage(
     (``values``, ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``, ``reward_baselines``, ...);
     settings an estimator does not use are ignored, so one config drives them all."""
     _check_inputs(token_level_rewards, response_mask, index)
-    return get_advantage_estimator(adv_estimator)(
-        token_level_rewards, response_mask, index, **options
-    )
+    fn = get_advantage_estimator(adv_estimator)
+    kwargs = {
+        "token_level_rewards": token_level_rewards,
+        "response_mask": response_mask,
+        "index": index,
+        **options,
+    }
+    takes = _parameters(fn)
+    if takes is not None:
+        kwargs = {name: value for name, value in kwargs.items() if name in takes}
+    return fn(**kwargs)
+
+
+@functools.cache
+def _parameters(fn: AdvFn) -> frozenset[str] | None:
+    """The keyword names ``fn`` takes, or None when it takes ``**kwargs`` (it gets them all)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
 
 
 def _check_inputs(rewards: torch.Tensor, mask: torch.Tensor, index: Index | None) -> None:
