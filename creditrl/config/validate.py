@@ -2,9 +2,10 @@
 its choices, each number against its range, and combinations that cannot train (one-line
 ``ConfigError``s); settings the user gave that the chosen mode will not use (warnings).
 
-``load_config`` runs them; a Config built directly in code is not checked. Choices come from
-the registries in ``creditrl.core`` where one exists, so a user-registered estimator or loss is
-accepted; the other choice sets live in ``CHOICES`` below, beside the module that reads them.
+``load_config`` runs them; a Config built directly in code is not checked. A key's choices and
+range live on its field in ``schema.py`` (``creditrl.config.fields``); registry-backed choices
+are read from the registries in ``creditrl.core`` when checked, so a user-registered estimator
+or loss is accepted. Rules that relate several keys live here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from creditrl.config.fields import Range, choices_of, choices_text, format_value
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
 from creditrl.usercode import is_code_spec
@@ -27,6 +28,7 @@ __all__ = [
     "Range",
     "all_choices",
     "format_value",
+    "schema_fields",
     "unused_settings",
     "uses_critic",
     "validate_config",
@@ -55,212 +57,40 @@ def uses_critic(cfg: Config) -> bool:
     return _declares(cfg, "requires", "values")
 
 
+def schema_fields(
+    node: Any = None, prefix: str = ""
+) -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
+    """(dotted key, field, value) of every setting of ``node`` (default: ``Config()``),
+    sections walked; a field's metadata holds its choices or range (``creditrl.config.fields``)."""
+    node = Config() if node is None else node
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from schema_fields(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, value
+
+
+def _field_metadata() -> dict[str, Mapping[str, Any]]:
+    """{dotted key: field metadata} of every setting that declares choices or a range."""
+    return {key: f.metadata for key, f, _ in schema_fields() if f.metadata}
+
+
+_METADATA = _field_metadata()
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),  # models.loading
-    "data.overlong_prompt": ("drop", "raise"),  # data.dataset
-    "rollout.vllm_dtype": ("auto", "bfloat16", "float16", "half", "float32", "float"),
-    "reward.reward_model.mode": ("replace", "add"),
-    "actor.optim.lr_scheduler": ("constant", "cosine"),  # workers.optim
-    "critic.optim.lr_scheduler": ("constant", "cosine"),
-    "actor.autocast": ("auto", "bf16", "none"),
-    "actor.shared_prefix": ("auto", "always", "never"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "algorithm.filter_groups.metric": ("score",),
-    "trainer.backend": ("local", "ray"),  # controller
-    "trainer.strategy": ("ddp", "fsdp2"),  # workers.parallel
-    "trainer.fsdp_param_dtype": ("float32", "bfloat16", "float16"),  # workers.parallel
-    "trainer.critic_placement": ("colocated", "separate"),
-    "trainer.checkpoint_format": ("full", "sharded"),
-    "trainer.resume": ("auto", "never"),
-    "trainer.ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "trainer.logger": ("console", "jsonl", "tensorboard", "wandb", "mlflow"),  # tracking.sinks
-    "asynchronous.ref_on": ("sampler", "learner"),
-    "asynchronous.old_log_probs": ("learner", "sampler"),
-    "asynchronous.lora_sync": ("merged", "adapter"),
-    "asynchronous.launcher": ("processes", "ray"),
-    "agent.truncate_side": ("left", "right", "middle"),  # tools.output
-    "agent.reward_manager": ("structured", "rule"),
+    key: tuple(meta["choices"]) for key, meta in _METADATA.items() if "choices" in meta
 }
-
-
-def _registry_choices() -> dict[str, tuple[str, ...]]:
-    """Choices read from the registries (imported here: they pull in torch)."""
-    from creditrl.core import (
-        ADV_ESTIMATORS,
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
-        POLICY_LOSSES,
-        REWARD_DISTRIBUTIONS,
-        ROLLOUT_IS_LEVELS,
-        ROLLOUT_IS_MODES,
-    )
-    from creditrl.rollout import ROLLOUT_ENGINES
-
-    kl = tuple(KL_ESTIMATORS.names())
-    kl = kl + tuple(f"{name}+" for name in kl)
-    return {
-        "algorithm.adv_estimator": tuple(ADV_ESTIMATORS.names()),
-        "actor.policy_loss": tuple(POLICY_LOSSES.names()),
-        "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
-        "critic.loss_agg_mode": tuple(LOSS_AGG_MODES),
-        "actor.kl_loss_type": kl,
-        "algorithm.kl_penalty": kl,
-        "algorithm.rollout_is.level": tuple(ROLLOUT_IS_LEVELS),
-        "algorithm.rollout_is.mode": tuple(ROLLOUT_IS_MODES),
-        "agent.reward_distribution": tuple(REWARD_DISTRIBUTIONS),
-        "rollout.engine": tuple(ROLLOUT_ENGINES.names()),
-    }
+"""The fixed choice sets (registry-backed keys are in ``all_choices()``)."""
+RANGES: dict[str, Range] = {
+    key: meta["range"] for key, meta in _METADATA.items() if "range" in meta
+}
+"""Every numeric key's allowed range."""
 
 
 def all_choices() -> dict[str, tuple[str, ...]]:
-    """Every choice-valued key and its accepted values (list keys: each entry)."""
-    return {**CHOICES, **_registry_choices()}
-
-
-@dataclass(frozen=True)
-class Range:
-    """An allowed interval; ``low_open``/``high_open`` exclude the end. ``null`` allows None."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    null: str = ""  # what None means, when None is allowed
-    note: str = ""  # why, when the bound is not obvious
-
-    def holds(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def text(self) -> str:
-        if self.low is not None and self.high is not None:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            text = f"in {left}{format_value(self.low)}, {format_value(self.high)}{right}"
-        elif self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {format_value(self.low)}"
-        else:
-            text = f"{'<' if self.high_open else '<='} {format_value(self.high)}"
-        text = f"{text} (or null: {self.null})" if self.null else text
-        return f"{text} ({self.note})" if self.note else text
-
-
-AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
-UNIT, PORT = Range(0, 1), Range(0, 65535)
-GRAD_CLIP = Range(0, low_open=True, null="no clipping; 0 would freeze the weights")
-OPTIONAL_AT_LEAST_0 = Range(0, null="unset")
-OPTIONAL_POSITIVE = Range(0, low_open=True, null="unset")
-
-RANGES: dict[str, Range] = {
-    "model.lora_rank": AT_LEAST_0,
-    "model.lora_alpha": POSITIVE,
-    "data.train_size": AT_LEAST_1,
-    "data.val_size": AT_LEAST_0,
-    "data.few_shot": AT_LEAST_0,
-    "data.train_batch_size": AT_LEAST_1,
-    "data.max_prompt_length": AT_LEAST_1,
-    "rollout.n": AT_LEAST_1,
-    "rollout.temperature": Range(
-        0, low_open=True, note="training samples; rollout.val_temperature=0 is greedy validation"
-    ),
-    "rollout.top_p": Range(0, 1, low_open=True),
-    "rollout.max_response_length": AT_LEAST_1,
-    "rollout.micro_batch_size": AT_LEAST_1,
-    "rollout.val_temperature": AT_LEAST_0,
-    "rollout.val_n": AT_LEAST_1,
-    "rollout.gpu_memory_utilization": Range(0, 1, low_open=True),
-    "rollout.tensor_parallel_size": AT_LEAST_1,
-    "reward.num_workers": AT_LEAST_0,
-    "reward.timeout_s": POSITIVE,
-    "reward.max_failure_rate": UNIT,
-    "reward.reward_model.micro_batch_size": AT_LEAST_1,
-    "actor.ppo_mini_batch_size": AT_LEAST_1,
-    "actor.ppo_micro_batch_size": AT_LEAST_1,
-    "actor.log_prob_micro_batch_size": AT_LEAST_1,
-    "actor.ppo_epochs": AT_LEAST_1,
-    "actor.grad_clip": GRAD_CLIP,
-    "actor.clip_ratio": AT_LEAST_0,
-    "actor.clip_ratio_low": OPTIONAL_AT_LEAST_0,
-    "actor.clip_ratio_high": OPTIONAL_AT_LEAST_0,
-    "actor.clip_ratio_c": Range(1, low_open=True),
-    "actor.tau_pos": POSITIVE,
-    "actor.tau_neg": POSITIVE,
-    "actor.loss_scale_factor": OPTIONAL_POSITIVE,
-    "actor.kl_loss_coef": AT_LEAST_0,
-    "actor.max_token_len_per_device": AT_LEAST_1,
-    "critic.ppo_mini_batch_size": AT_LEAST_1,
-    "critic.ppo_micro_batch_size": AT_LEAST_1,
-    "critic.ppo_epochs": AT_LEAST_1,
-    "critic.grad_clip": GRAD_CLIP,
-    "critic.cliprange_value": AT_LEAST_0,
-    "critic.max_token_len_per_device": AT_LEAST_1,
-    "algorithm.gamma": UNIT,
-    "algorithm.lam": UNIT,
-    "algorithm.kl_ctrl.kl_coef": AT_LEAST_0,
-    "algorithm.kl_ctrl.target_kl": POSITIVE,
-    "algorithm.kl_ctrl.horizon": AT_LEAST_1,
-    "algorithm.rollout_is.threshold": POSITIVE,
-    "algorithm.rollout_is.threshold_lower": OPTIONAL_POSITIVE,
-    "algorithm.rollout_is.veto_threshold": OPTIONAL_POSITIVE,
-    "algorithm.filter_groups.max_num_gen_batches": AT_LEAST_1,
-    "algorithm.overlong_buffer.len": AT_LEAST_1,
-    "algorithm.overlong_buffer.penalty_factor": AT_LEAST_0,
-    "trainer.total_steps": AT_LEAST_1,
-    "trainer.save_freq": AT_LEAST_0,
-    "trainer.test_freq": AT_LEAST_0,
-    "trainer.critic_warmup": AT_LEAST_0,
-    "trainer.workers": AT_LEAST_1,
-    "trainer.collective_timeout_s": POSITIVE,
-    "trainer.call_timeout_s": POSITIVE,
-    "trainer.ray.cpus_per_worker": AT_LEAST_0,
-    "trainer.ray.gpus_per_worker": AT_LEAST_0,
-    "trainer.rollout_dump_rows": AT_LEAST_0,
-    "trainer.max_checkpoints": AT_LEAST_1,
-    "trainer.num_threads": AT_LEAST_0,
-    "asynchronous.port": PORT,
-    "asynchronous.hwm": AT_LEAST_1,
-    "asynchronous.num_samplers": AT_LEAST_1,
-    "asynchronous.learners": AT_LEAST_1,
-    "asynchronous.dist_port": PORT,
-    "asynchronous.max_staleness": AT_LEAST_0,
-    "asynchronous.max_inflight_groups": AT_LEAST_0,
-    "asynchronous.sampler_batch_groups": AT_LEAST_0,
-    "asynchronous.keep_weight_versions": AT_LEAST_1,
-    "asynchronous.publish_every": AT_LEAST_1,
-    "asynchronous.ping_s": POSITIVE,
-    "asynchronous.data_timeout_s": POSITIVE,
-    "asynchronous.max_message_mb": AT_LEAST_0,
-    "asynchronous.max_rejects": AT_LEAST_1,
-    "asynchronous.sampler_threads": AT_LEAST_0,
-    "asynchronous.learner_threads": AT_LEAST_0,
-    "agent.max_turns": AT_LEAST_1,
-    "agent.max_tokens_per_turn": AT_LEAST_0,
-    "agent.tool_timeout_s": POSITIVE,
-    "agent.max_parallel_calls": AT_LEAST_1,
-    "agent.max_calls_per_turn": AT_LEAST_1,
-    "agent.tool_output_max_chars": AT_LEAST_1,
-    "agent.drift_check_rows": AT_LEAST_0,
-}
-for _section in ("actor", "critic"):
-    RANGES.update(
-        {
-            f"{_section}.optim.lr": AT_LEAST_0,
-            f"{_section}.optim.weight_decay": AT_LEAST_0,
-            f"{_section}.optim.warmup_steps": AT_LEAST_0,
-            f"{_section}.optim.min_lr_ratio": UNIT,
-        }
-    )
-
-
-def format_value(value: Any) -> str:
-    """A value as the user would type it in an override."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value) if isinstance(value, str) else str(value)
+    """Every choice-valued key and its accepted values now (list keys: each entry)."""
+    out = {key: choices_of(meta) for key, meta in _METADATA.items()}
+    return {key: names for key, names in out.items() if names is not None}
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -268,16 +98,6 @@ def _get(cfg: Any, key: str) -> Any:
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
-
-
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every setting of a Config, sections walked."""
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", value
 
 
 def _nearest(value: str, choices: Collection[str]) -> str:
@@ -289,27 +109,21 @@ def _nearest(value: str, choices: Collection[str]) -> str:
 
 def _check_choices(cfg: Config) -> None:
     for key, choices in all_choices().items():
+        meta = _METADATA[key]
         value = _get(cfg, key)
         entries = value if isinstance(value, list) else [value]
         for entry in entries:
-            if entry in choices:
-                continue
-            if key == "algorithm.adv_estimator" and is_code_spec(str(entry)):
+            if entry in choices or (meta.get("user_code") and is_code_spec(str(entry))):
                 continue
             shown = f"{key}={format_value(entry)}"
             if isinstance(value, list):
                 shown = f"{key} entry {format_value(entry)}"
-            bases = [c for c in choices if not c.endswith("+")]
-            allowed = ", ".join(choices)
-            if len(bases) * 2 == len(choices):
-                allowed = ", ".join(bases) + " (each also with a trailing '+')"
-            if key == "algorithm.adv_estimator":
-                allowed += ", or user code as path/to/file.py:name or package.module:name"
+            allowed = choices_text(meta, choices)
             raise ConfigError(f"{shown} is not one of {allowed}{_nearest(str(entry), choices)}")
 
 
 def _check_numbers(cfg: Config) -> None:
-    for key, value in _leaves(cfg):
+    for key, _, value in schema_fields(cfg):
         numbers = value if isinstance(value, list) else [value]
         for number in numbers:
             if isinstance(number, float) and not math.isfinite(number):

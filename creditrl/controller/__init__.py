@@ -9,19 +9,10 @@ __all__ = ["METHODS", "Dispatch", "LocalWorkerGroup", "WorkerGroup", "build_work
 
 
 def build_worker_group(cfg: Config) -> WorkerGroup:
-    """The group ``trainer.backend`` names: ``local`` (one rank here) or ``ray``."""
+    """The group ``trainer.backend`` names: ``local`` (one rank here) or ``ray``. The config's
+    choices and the local backend's single worker are checked when it is loaded."""
     if cfg.trainer.backend == "local":
-        if cfg.trainer.workers != 1:
-            raise ValueError(
-                f"trainer.workers={cfg.trainer.workers} needs trainer.backend=ray "
-                "(the local backend is one process)"
-            )
         return LocalWorkerGroup(cfg)
-    if cfg.trainer.critic_placement not in ("colocated", "separate"):
-        raise ValueError(
-            "trainer.critic_placement must be 'colocated' or 'separate', got "
-            f"{cfg.trainer.critic_placement!r}"
-        )
     if cfg.trainer.backend == "ray":
         from creditrl.controller.ray_group import RayWorkerGroup, RoutedWorkerGroup
         from creditrl.pipeline.plan import Plan

@@ -1,0 +1,127 @@
+"""What a config key accepts, kept on its dataclass field in ``schema.py``:
+``field(default=4, metadata=meta(range=AT_LEAST_1))`` or ``meta(choices=(...))``, or for a
+registry ``meta(choices_from="creditrl.core:POLICY_LOSSES")``, resolved when asked so the schema
+imports no torch. ``validate`` checks these and ``doc`` prints them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AT_LEAST_0",
+    "AT_LEAST_1",
+    "GRAD_CLIP",
+    "OPTIONAL_AT_LEAST_0",
+    "OPTIONAL_POSITIVE",
+    "PORT",
+    "POSITIVE",
+    "UNIT",
+    "USER_CODE",
+    "Range",
+    "choices_of",
+    "choices_text",
+    "format_value",
+    "kl_choices",
+    "meta",
+]
+
+USER_CODE = "path/to/file.py:name or package.module:name"
+
+
+def format_value(value: Any) -> str:
+    """A value as the user would type it in an override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclass(frozen=True)
+class Range:
+    """An allowed interval; ``low_open``/``high_open`` exclude the end. ``null`` allows None."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    null: str = ""  # what None means, when None is allowed
+    note: str = ""  # why, when the bound is not obvious
+
+    def holds(self, value: float) -> bool:
+        """``value`` lies in the interval."""
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def text(self) -> str:
+        """The interval as the docs and errors write it, e.g. '>= 1', 'in (0, 1]'."""
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{format_value(self.low)}, {format_value(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {format_value(self.low)}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {format_value(self.high)}"
+        text = f"{text} (or null: {self.null})" if self.null else text
+        return f"{text} ({self.note})" if self.note else text
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
+UNIT, PORT = Range(0, 1), Range(0, 65535)
+GRAD_CLIP = Range(0, low_open=True, null="no clipping; 0 would freeze the weights")
+OPTIONAL_AT_LEAST_0 = Range(0, null="unset")
+OPTIONAL_POSITIVE = Range(0, low_open=True, null="unset")
+
+
+def meta(
+    *,
+    range: Range | None = None,
+    choices: tuple[str, ...] | None = None,
+    choices_from: str | None = None,
+    user_code: bool = False,
+) -> dict[str, Any]:
+    """Field metadata: the allowed ``range``, or ``choices``, or ``choices_from`` (a
+    ``"module:NAME"`` registry, collection or function of the names); ``user_code``: a
+    ``file.py:name`` spec is accepted too."""
+    given = {"range": range, "choices": choices, "choices_from": choices_from}
+    out: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    return {**out, "user_code": True} if user_code else out
+
+
+def choices_of(metadata: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The names a field accepts now (a registry's as registered so far); None: any."""
+    if "choices" in metadata:
+        return tuple(metadata["choices"])
+    spec = metadata.get("choices_from")
+    if spec is None:
+        return None
+    module, _, name = spec.partition(":")
+    source = getattr(importlib.import_module(module), name)
+    if hasattr(source, "names"):
+        return tuple(source.names())
+    return tuple(source() if callable(source) else source)
+
+
+def choices_text(metadata: Mapping[str, Any], choices: tuple[str, ...]) -> str:
+    """``choices`` listed (names that all come with and without '+' once, so noted), with the
+    user-code spec when the field takes one."""
+    bases = [name for name in choices if not name.endswith("+")]
+    text = ", ".join(choices)
+    if bases and len(bases) * 2 == len(choices):
+        text = ", ".join(bases) + " (each also with a trailing '+')"
+    return f"{text}, or user code as {USER_CODE}" if metadata.get("user_code") else text
+
+
+def kl_choices() -> tuple[str, ...]:
+    """KL estimator names, each also with a trailing '+' (straight-through)."""
+    from creditrl.core import KL_ESTIMATORS
+
+    names = tuple(KL_ESTIMATORS.names())
+    return names + tuple(f"{name}+" for name in names)
