@@ -82,9 +82,10 @@ def data_sources(cfg: DataConfig) -> Sources:
 def _check_scorers(cfg: Config, sources: Sources) -> None:
     """Load and signature-check the scorer of every data_source (or ``reward.scorer``)."""
     from creditrl.agents.rewards import STRUCTURED_SCORERS, structured_scorer_for
+    from creditrl.pipeline.plan import structured_reward
 
     reward = cfg.reward
-    structured = cfg.agent.enable and cfg.agent.reward_manager == "structured"
+    structured = structured_reward(cfg)
     if not structured and reward.reward_model.enable and reward.reward_model.mode == "replace":
         return  # the reward model alone scores; no rule scorer runs
     in_workers = not structured and reward.num_workers > 0

@@ -80,6 +80,7 @@ from creditrl.models import (
     load_tokenizer,
     resolve_model_path,
 )
+from creditrl.pipeline.plan import structured_reward
 from creditrl.pipeline.step import (
     StepPipeline,
     build_reward_manager,
@@ -162,7 +163,7 @@ class Learner:
         reward = build_reward_manager(cfg, self.tokenizer) if self.val_rows else None
         self.pipeline = StepPipeline(cfg, self.workers, reward, self.tokenizer, algorithm)
         self.algorithm = self.pipeline.algorithm
-        structured = cfg.agent.enable and cfg.agent.reward_manager == "structured"
+        structured = structured_reward(cfg)
         optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
                     "rm_scores": cfg.reward.reward_model.enable,
                     **dict.fromkeys(AGENT_FIELDS, cfg.agent.enable),

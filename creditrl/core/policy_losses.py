@@ -46,14 +46,21 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
-def register_policy_loss(name: str, *aliases: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register a policy loss under ``name`` and each alias."""
-    return POLICY_LOSSES.register(name, *aliases)
+def register_policy_loss(
+    name: str, *aliases: str, options: tuple[str, ...] = ()
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a policy loss under ``name`` and each alias. ``options``: the
+    ``actor.*`` settings it reads from its ``PolicyLossConfig`` (``clip_ratio_c``, ``tau_pos``,
+    ...); one it does not read draws a warning when set, and ``explain`` shows only these."""
+    return POLICY_LOSSES.register(name, *aliases, options=tuple(options))
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as ``name``; KeyError listing the choices otherwise."""
     return POLICY_LOSSES.get(name)
+
+
+CLIP_OPTIONS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")  # the trust region's sides
 
 
 @dataclass
@@ -115,7 +122,7 @@ def _finish(
     return pg_loss, metrics
 
 
-@register_policy_loss("ppo", "vanilla")
+@register_policy_loss("ppo", "vanilla", options=(*CLIP_OPTIONS, "clip_ratio_c"))
 def compute_policy_loss_ppo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -164,7 +171,7 @@ def compute_policy_loss_ppo(
     )
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", options=CLIP_OPTIONS)
 def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -211,7 +218,7 @@ def compute_policy_loss_gspo(
     )
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", options=CLIP_OPTIONS)
 def compute_policy_loss_cispo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -273,7 +280,7 @@ def compute_policy_loss_gpg(
     )
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", options=("tau_pos", "tau_neg"))
 def compute_policy_loss_sapo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 from creditrl.config import Config
 from creditrl.core import (
     ADV_ESTIMATORS,
+    POLICY_LOSSES,
     PolicyLossConfig,
     apply_kl_penalty,
     compute_advantage,
@@ -92,7 +93,7 @@ class Settings:
             "policy_loss": self.policy_loss,
             "clip_ratio": [self.clip.low, self.clip.high],
         }
-        if self.policy_loss in ("ppo", "vanilla"):
+        if "clip_ratio_c" in POLICY_LOSSES.info(self.policy_loss).get("options", ()):
             out["clip_ratio_c"] = self.clip.clip_ratio_c
         return out
 

@@ -9,7 +9,13 @@ from creditrl.config import Config
 from creditrl.core import ADV_ESTIMATORS
 from creditrl.usercode import resolve_adv_estimator
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "structured_reward"]
+
+
+def structured_reward(cfg: Config) -> bool:
+    """The run scores with spec 001's structured reward manager (turn and global scores): an
+    agent run with ``agent.reward_manager=structured``."""
+    return cfg.agent.enable and cfg.agent.reward_manager == "structured"
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,8 @@ class Plan:
       prompt is generated and scored (ReMax);
     - ``grouped``: it compares the ``rollout.n`` answers to one prompt;
     - ``options``: the ``algorithm.*`` settings it reads;
-    - ``needs_ref``: the reference policy's log-probs are needed (KL in the reward or loss).
+    - ``needs_ref``: the reference policy's log-probs are needed (KL in the reward or loss);
+    - ``structured_reward``: the reward is spec 001's structured one (``structured_reward``).
     """
 
     estimator: str
@@ -33,6 +40,7 @@ class Plan:
     grouped: bool
     options: tuple[str, ...]
     needs_ref: bool
+    structured_reward: bool
 
     @classmethod
     def from_config(cls, cfg: Config) -> Plan:
@@ -47,4 +55,5 @@ class Plan:
             grouped=bool(info.get("grouped", False)),
             options=tuple(info.get("options", ())),
             needs_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
+            structured_reward=structured_reward(cfg),
         )

@@ -25,7 +25,7 @@ from creditrl.config import AlgorithmConfig, Config
 from creditrl.core import get_kl_controller
 from creditrl.data import collate_prompts
 from creditrl.pipeline import stages
-from creditrl.pipeline.plan import Plan
+from creditrl.pipeline.plan import Plan, structured_reward
 from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
 from creditrl.workers.hybrid import PREFILL_FIELD
@@ -52,7 +52,7 @@ def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
 def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
     """The reward manager of ``cfg``: spec 001's structured manager for agent runs that ask for
     it, else the rule scorers (and reward model) chosen by ``data_source``."""
-    if cfg.agent.enable and cfg.agent.reward_manager == "structured":
+    if structured_reward(cfg):
         from creditrl.agents.rewards import StructuredRewardManager
 
         return StructuredRewardManager(cfg.reward, cfg.agent, tokenizer)
