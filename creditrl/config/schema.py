@@ -275,7 +275,7 @@ class CriticConfig:
 class KLControlConfig:
     """beta of the KL in the reward: ``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
 
-    type: str = field(default="fixed", metadata=meta(choices=("fixed", "adaptive")))
+    type: str = field(default="fixed", metadata=meta(choices_from="creditrl.core:KL_CONTROLLERS"))
     """'fixed' beta, or 'adaptive': beta moves so the measured KL approaches target_kl."""
     kl_coef: float = field(default=0.001, metadata=meta(range=AT_LEAST_0))
     """beta of the KL reward penalty (adaptive: its starting value)."""

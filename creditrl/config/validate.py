@@ -52,6 +52,21 @@ def _declares(cfg: Config, key: str, value: str | None = None) -> bool:
     return bool(info.get(key)) if value is None else value in info.get(key, ())
 
 
+def _declared(cfg: Config, registry: str, name: str, option: str) -> bool:
+    """``name`` in ``creditrl.core``'s ``registry`` declared ``option`` among the settings it
+    reads (``register_*(options=)``); an unknown name reads everything (it is refused
+    elsewhere)."""
+    import creditrl.core
+
+    entries = getattr(creditrl.core, registry)
+    return name not in entries or option in entries.info(name).get("options", ())
+
+
+def _loss_reads(cfg: Config, option: str) -> bool:
+    """The configured policy loss declared ``option`` (``register_policy_loss(options=)``)."""
+    return _declared(cfg, "POLICY_LOSSES", cfg.actor.policy_loss, option)
+
+
 def uses_critic(cfg: Config) -> bool:
     """The configured estimator requires ``values`` (so a critic is built)."""
     return _declares(cfg, "requires", "values")
@@ -291,10 +306,13 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
         lambda c: "model.lora_rank=0 (no LoRA)",
     ),
-    (
-        lambda c: c.algorithm.kl_ctrl.type == "fixed",
-        ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
-        lambda c: "algorithm.kl_ctrl.type=fixed",
+    *(
+        (
+            lambda c, key=key: not _declared(c, "KL_CONTROLLERS", c.algorithm.kl_ctrl.type, key),
+            (f"algorithm.kl_ctrl.{key}",),
+            lambda c: f"algorithm.kl_ctrl.type={c.algorithm.kl_ctrl.type}",
+        )
+        for key in ("target_kl", "horizon")
     ),
     (
         lambda c: not _declares(c, "options", "lam"),
@@ -312,17 +330,17 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} divides by no group std",
     ),
     (
-        lambda c: c.actor.policy_loss not in ("ppo", "vanilla"),
+        lambda c: not _loss_reads(c, "clip_ratio_c"),
         ("actor.clip_ratio_c",),
         lambda c: f"actor.policy_loss={c.actor.policy_loss} has no dual clip",
     ),
     (
-        lambda c: c.actor.policy_loss != "sapo",
+        lambda c: not _loss_reads(c, "tau_pos"),
         ("actor.tau_pos", "actor.tau_neg"),
-        lambda c: f"actor.policy_loss={c.actor.policy_loss} is not sapo",
+        lambda c: f"actor.policy_loss={c.actor.policy_loss} is not sapo (it has no gate)",
     ),
     (
-        lambda c: c.actor.loss_agg_mode != "seq-mean-token-sum-norm",
+        lambda c: not _declared(c, "LOSS_AGG_MODES", c.actor.loss_agg_mode, "loss_scale_factor"),
         ("actor.loss_scale_factor",),
         lambda c: f"actor.loss_agg_mode={c.actor.loss_agg_mode} divides by no constant",
     ),

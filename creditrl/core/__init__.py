@@ -21,14 +21,21 @@ from creditrl.core.advantages import (
     get_advantage_estimator,
     register_adv_est,
 )
-from creditrl.core.aggregation import LOSS_AGG_MODES, agg_loss, global_normalisers
+from creditrl.core.aggregation import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    global_normalisers,
+    register_loss_agg,
+)
 from creditrl.core.entropy import entropy_from_logits, log_probs_from_logits
 from creditrl.core.kl import (
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     get_kl_controller,
     kl_penalty,
+    register_kl_controller,
 )
 from creditrl.core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from creditrl.core.policy_losses import (
@@ -62,6 +69,7 @@ from creditrl.core.value_loss import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -108,6 +116,8 @@ __all__ = [
     "masked_whiten",
     "place_sequence_scores",
     "register_adv_est",
+    "register_kl_controller",
+    "register_loss_agg",
     "register_policy_loss",
     "structured_to_token_level",
     "total_score",

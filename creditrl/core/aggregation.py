@@ -9,17 +9,62 @@ each rank's loss by the world size (as verl does). ``global_normalisers`` comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss", "global_normalisers"]
+from creditrl.core.registry import Registry
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+__all__ = ["LOSS_AGG_MODES", "agg_loss", "global_normalisers", "register_loss_agg"]
+
+AggFn = Callable[..., torch.Tensor]
+LOSS_AGG_MODES: Registry[AggFn] = Registry("loss_agg_mode")
+
+
+def register_loss_agg(name: str, *, options: tuple[str, ...] = ()) -> Callable[[AggFn], AggFn]:
+    """Decorator: register an aggregation ``fn(token_sums, mask, num_tokens, num_seqs,
+    scale) -> loss`` under ``name`` (``agg_loss`` passes the per-sequence sums of l m, the
+    mask, N and S, local or global, and ``loss_scale_factor``). ``options``: the
+    ``actor.*``/``critic.*`` settings it reads (``loss_scale_factor``); one it does not read
+    draws a warning when set."""
+    return LOSS_AGG_MODES.register(name, options=tuple(options))
+
+
+@register_loss_agg("token-mean")
+def _token_mean(sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any) -> Any:
+    return sums.sum() / max(float(m.sum() if tokens is None else tokens), 1.0)
+
+
+@register_loss_agg("token-sum")
+def _token_sum(sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any) -> Any:
+    return sums.sum()
+
+
+def _seqs(m: torch.Tensor, seqs: Any) -> float:
+    """S: sequences with at least one valid token (or the global count given), at least 1."""
+    return max(float((m.sum(-1) > 0).sum() if seqs is None else seqs), 1.0)
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _seq_mean_token_sum(
+    sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
+) -> Any:
+    return sums.sum() / _seqs(m, seqs)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(
+    sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
+) -> Any:
+    return (sums / m.sum(-1).clamp(min=1.0)).sum() / _seqs(m, seqs)
+
+
+@register_loss_agg("seq-mean-token-sum-norm", options=("loss_scale_factor",))
+def _seq_mean_token_sum_norm(
+    sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
+) -> Any:
+    return sums.sum() / (_seqs(m, seqs) * float(m.shape[-1] if scale is None else scale))
 
 
 def global_normalisers(loss_mask: torch.Tensor) -> dict[str, float]:
@@ -57,20 +102,11 @@ def agg_loss(
       (Dr. GRPO's constant; default T = loss_mat.shape[-1]; give the configured maximum
       response length when micro-batches may be padded to different lengths).
     """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {tuple(LOSS_AGG_MODES)}"
+        )
     m = loss_mask.to(loss_mat.dtype)
     token_sums = (loss_mat * m).sum(-1)
-    if loss_agg_mode == "token-sum":
-        return token_sums.sum()
-    if loss_agg_mode == "token-mean":
-        n = m.sum() if global_num_tokens is None else global_num_tokens
-        return token_sums.sum() / max(float(n), 1.0)
-    seqs = (m.sum(-1) > 0).sum() if global_num_seqs is None else global_num_seqs
-    seqs = max(float(seqs), 1.0)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return token_sums.sum() / seqs
-    if loss_agg_mode == "seq-mean-token-mean":
-        return (token_sums / m.sum(-1).clamp(min=1.0)).sum() / seqs
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return token_sums.sum() / (seqs * float(scale))
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
+    aggregate = LOSS_AGG_MODES.get(loss_agg_mode)
+    return aggregate(token_sums, m, global_num_tokens, global_num_seqs, loss_scale_factor)

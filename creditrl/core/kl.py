@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from creditrl.core.registry import Registry
 
 __all__ = [
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "get_kl_controller",
     "kl_penalty",
+    "register_kl_controller",
 ]
 
 KLFn = Callable[..., torch.Tensor]
@@ -122,15 +125,40 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
+KLControllerFactory = Callable[..., Any]
+KL_CONTROLLERS: Registry[KLControllerFactory] = Registry("kl_ctrl type")
+
+
+def register_kl_controller(
+    name: str, *, options: tuple[str, ...] = ()
+) -> Callable[[KLControllerFactory], KLControllerFactory]:
+    """Decorator: register ``factory(kl_coef=, target_kl=, horizon=)`` -> controller (with
+    ``value``, ``update``, ``state_dict``, ``load_state_dict``) under ``name``. ``options``:
+    the ``algorithm.kl_ctrl.*`` settings besides ``kl_coef`` it reads; one it does not read
+    draws a warning when set."""
+    return KL_CONTROLLERS.register(name, options=tuple(options))
+
+
+@register_kl_controller("fixed")
+def _fixed(kl_coef: float, **_: float) -> FixedKLController:
+    return FixedKLController(kl_coef)
+
+
+@register_kl_controller("adaptive", options=("target_kl", "horizon"))
+def _adaptive(kl_coef: float, target_kl: float, horizon: float) -> AdaptiveKLController:
+    return AdaptiveKLController(kl_coef, target_kl, horizon)
+
+
 def get_kl_controller(
     kl_ctrl_type: str = "fixed",
     kl_coef: float = 0.001,
     target_kl: float = 0.1,
     horizon: float = 10000,
-) -> FixedKLController | AdaptiveKLController:
-    """The controller named ``fixed`` or ``adaptive`` (verl's ``algorithm.kl_ctrl.type``)."""
-    if kl_ctrl_type == "fixed":
-        return FixedKLController(kl_coef)
-    if kl_ctrl_type == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown kl_ctrl type {kl_ctrl_type!r}; choose 'fixed' or 'adaptive'")
+) -> Any:
+    """The controller registered as ``kl_ctrl_type`` (verl's ``algorithm.kl_ctrl.type``:
+    ``fixed`` or ``adaptive``)."""
+    if kl_ctrl_type not in KL_CONTROLLERS:
+        raise ValueError(
+            f"unknown kl_ctrl type {kl_ctrl_type!r}; choose one of {KL_CONTROLLERS.names()}"
+        )
+    return KL_CONTROLLERS.get(kl_ctrl_type)(kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -33,7 +33,7 @@ class Registry(Generic[F]):
     def info(self, name: str) -> dict[str, Any]:
         """What ``name`` declared when it was registered (KeyError like ``get``)."""
         self.get(name)
-        return self._info[name]
+        return self._info.get(name, {})  # an entry placed without register declares nothing
 
     def get(self, name: str) -> F:
         """The function registered as ``name``; KeyError listing the choices otherwise."""
@@ -50,3 +50,10 @@ class Registry(Generic[F]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        """The registered names and aliases, in the order they were registered."""
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
