@@ -4,11 +4,17 @@ vLLM's rollout log-probs against the trainer's."""
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import LlamaForCausalLM
 
 from creditrl import Batch
@@ -17,12 +23,18 @@ from creditrl.core import compute_rollout_importance_weights, kl_penalty, masked
 from creditrl.errors import ConfigError
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.rollout import EngineArgs, HFRolloutEngine, SamplingParams, build_rollout_engine
+from creditrl.rollout import vllm_engine as engine_module
 from creditrl.rollout.vllm_engine import (
+    LOGPROBS_MODE,
+    WORKER_EXTENSION,
     VLLMRolloutEngine,
     WeightLoaderExtension,
     assemble_rollout,
     completions_from_outputs,
+    engine_core_in_process,
     eos_token_ids_from_dir,
+    external_launcher_env,
+    llm_engine_kwargs,
     prompt_token_lists,
     request_seeds,
     sampling_param_dicts,
@@ -90,6 +102,7 @@ class FakeLLM:
         self.worker = FakeWorker(worker_model) if worker_model is not None else None
         self.generate_calls: list[tuple[list, list]] = []
         self.events: list[tuple] = []
+        self.reset_result: bool | None = True  # vLLM 0.10 returned None, later releases a bool
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         self.generate_calls.append((prompts, sampling_params))
@@ -105,7 +118,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.events.append(("reset_prefix_cache",))
-        return True
+        return self.reset_result
 
     def sleep(self, level=1):
         self.events.append(("sleep", level))
@@ -118,6 +131,144 @@ def fake_engine(tokenizer, cfg, llm, **kwargs) -> VLLMRolloutEngine:
     return VLLMRolloutEngine(
         tiny_model_dir(), tokenizer, cfg, llm=llm, sampling_params_cls=dict, **kwargs
     )
+
+
+# ---- engine construction -------------------------------------------------------------------
+
+
+def test_llm_engine_kwargs_are_vllm_llm_arguments():
+    """``vllm.LLM`` keywords: the settings as given, processed log-probs, vLLM's own sampling
+    defaults and the weight-loading worker extension; extras are added but may not override."""
+    kwargs = llm_engine_kwargs(
+        "/models/tiny",
+        seed=7,
+        gpu_memory_utilization=0.3,
+        enable_sleep_mode=True,
+        dtype="bfloat16",
+        tensor_parallel_size=1,
+        max_model_len=512,
+        enforce_eager=False,
+        extra={"distributed_executor_backend": "external_launcher"},
+    )
+    assert kwargs == {
+        "model": "/models/tiny",
+        "dtype": "bfloat16",
+        "seed": 7,
+        "gpu_memory_utilization": 0.3,
+        "enable_sleep_mode": True,
+        "tensor_parallel_size": 1,
+        "max_model_len": 512,
+        "enforce_eager": False,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",
+        "worker_extension_cls": "creditrl.rollout.vllm_engine.WeightLoaderExtension",
+        "distributed_executor_backend": "external_launcher",
+    }
+    module, name = WORKER_EXTENSION.rsplit(".", 1)
+    assert getattr(sys.modules[module], name) is WeightLoaderExtension
+    with pytest.raises(ValueError, match=r"\['logprobs_mode'\] are set by VLLMRolloutEngine"):
+        llm_engine_kwargs(
+            "m",
+            seed=0,
+            gpu_memory_utilization=0.5,
+            enable_sleep_mode=False,
+            dtype="auto",
+            tensor_parallel_size=1,
+            max_model_len=None,
+            enforce_eager=True,
+            extra={"logprobs_mode": "raw_logprobs"},
+        )
+
+
+@pytest.mark.parametrize(
+    ("in_process", "tp", "backend", "expected"),
+    [
+        (True, 1, None, True),
+        (True, 1, "uni", True),
+        (True, 1, "mp", False),  # the worker runs in a child process even on one GPU
+        (True, 1, "ray", False),
+        (True, 2, None, False),
+        (False, 1, None, False),
+        (False, 1, "external_launcher", True),  # one in-process worker per rank, always
+        (True, 2, "external_launcher", True),
+    ],
+)
+def test_engine_core_in_process(in_process, tp, backend, expected):
+    assert engine_core_in_process(in_process, tp, backend) is expected
+
+
+def test_external_launcher_env_values_and_checks():
+    assert external_launcher_env(3, 4, 1) == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    with pytest.raises(ValueError, match=r"rank 4 is not in \[0, 4\)"):
+        external_launcher_env(4, 4, 0)
+    with pytest.raises(ValueError, match="local_rank must be >= 0"):
+        external_launcher_env(0, 1, -1)
+
+
+def test_external_launcher_env_is_exported_from_the_process_group(monkeypatch):
+    """A rank of a torch.distributed job started without torchrun gets RANK / LOCAL_RANK /
+    WORLD_SIZE, which vLLM's external_launcher executor reads; a contradicting RANK is an
+    error; without a process group nothing is set."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(key, "unset")  # recorded, so the teardown restores the original
+        monkeypatch.delenv(key)
+    engine_module._export_external_launcher_env()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        engine_module._export_external_launcher_env()
+        local = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
+        assert os.environ["LOCAL_RANK"] == local
+        monkeypatch.setenv("RANK", "3")
+        with pytest.raises(
+            RuntimeError, match="RANK=3 in the environment but this process is rank 0"
+        ):
+            engine_module._export_external_launcher_env()
+    finally:
+        dist.destroy_process_group()
+
+
+class RecordingLLM:
+    """Stands in for ``vllm.LLM`` in a fake ``vllm`` module: records its keywords and the
+    multiprocessing switch it was built under."""
+
+    built: ClassVar[list[tuple[dict, str | None]]] = []
+
+    def __init__(self, **kwargs) -> None:
+        RecordingLLM.built.append((kwargs, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
+
+
+def test_engine_builds_vllm_llm_in_process(tokenizer, monkeypatch):
+    """Without a stand-in ``llm`` the engine builds ``vllm.LLM(**llm_engine_kwargs(...))`` and
+    ``vllm.SamplingParams``, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` set before (vLLM reads
+    it when the engine is built); a multi-process executor is not in-process."""
+    fake = ModuleType("vllm")
+    fake.LLM = RecordingLLM
+    fake.SamplingParams = dict
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(engine_module, "vllm_unavailable_reason", lambda: None)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    RecordingLLM.built.clear()
+    cfg = RolloutConfig(max_response_length=8)
+    engine = VLLMRolloutEngine(
+        tiny_model_dir(), tokenizer, cfg, seed=5, gpu_memory_utilization=0.25, dtype="half"
+    )
+    ((kwargs, multiprocessing),) = RecordingLLM.built
+    assert multiprocessing == "0" and engine.in_process
+    assert kwargs == engine.llm_kwargs
+    assert kwargs["model"] == str(tiny_model_dir()) and kwargs["seed"] == 5
+    assert (kwargs["gpu_memory_utilization"], kwargs["dtype"]) == (0.25, "half")
+    assert kwargs["logprobs_mode"] == LOGPROBS_MODE and kwargs["enable_sleep_mode"] is True
+    assert isinstance(engine.llm, RecordingLLM) and engine.sampling_params_cls is dict
+    mp = VLLMRolloutEngine(
+        tiny_model_dir(), tokenizer, cfg, llm_kwargs={"distributed_executor_backend": "mp"}
+    )
+    assert not mp.in_process and RecordingLLM.built[-1][0]["distributed_executor_backend"] == "mp"
+    with pytest.raises(RuntimeError, match="in-place update_weights needs"):
+        mp.update_weights([("w", torch.zeros(1))])
 
 
 # ---- request building ----------------------------------------------------------------------
@@ -188,6 +339,35 @@ def test_sampling_param_dicts_sampled_and_greedy():
         sampling_param_dicts(sampled, 2, [1], [2])
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "message"),
+    [
+        (2.5, 0, 1.0, r"temperatures in \[1e-05, 2\].*got 2.5"),
+        (1e-6, 0, 1.0, "below 1e-05 it decodes greedily"),
+        (1.0, 0, 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+    ],
+)
+def test_sampling_param_dicts_rejects_what_vllm_would(temperature, top_k, top_p, message):
+    """vLLM's SamplingParams refuses temperature > 2 (current releases) and decodes greedily
+    (unscaled log-probs) below 1e-5: both are refused here, before any request is sent."""
+    params = SamplingParams(temperature, top_k, top_p, max_new_tokens=4, greedy=False)
+    with pytest.raises(ValueError, match=message):
+        sampling_param_dicts(params, 1, [0], [2])
+
+
+def test_sampling_param_dicts_top_k_and_types():
+    """top-k off is 0 (vLLM's value; -1 is mapped to it), on is k; numbers are plain Python
+    ints and floats (vLLM's msgspec struct checks types), at the bounds vLLM accepts."""
+    on = SamplingParams(temperature=2, top_k=5, top_p=1, max_new_tokens=3, greedy=False)
+    (d,) = sampling_param_dicts(on, 1, [torch.tensor(9).item()], [])
+    assert (d["top_k"], d["temperature"], d["top_p"], d["seed"]) == (5, 2.0, 1.0, 9)
+    assert type(d["temperature"]) is float and type(d["top_p"]) is float
+    assert type(d["top_k"]) is int and type(d["max_tokens"]) is int
+    assert d["stop_token_ids"] == [] and d["ignore_eos"] is True
+    off = replace(on, top_k=-1, temperature=1e-5)
+    assert sampling_param_dicts(off, 1, [1], [])[0]["top_k"] == 0
+
+
 # ---- response assembly ---------------------------------------------------------------------
 
 
@@ -231,6 +411,47 @@ def test_completions_from_outputs_reads_sampled_log_probs_and_rejects_gaps():
         completions_from_outputs([no_logprobs])
     with pytest.raises(ValueError, match="finish_reason='abort'"):
         completions_from_outputs([request_output([], [], reason="abort")])
+
+
+class FlatLogprobsLike(Sequence):
+    """vLLM's ``FlatLogprobs`` (vllm/logprobs.py) in miniature: flat columns that read as a
+    sequence of ``{token_id: Logprob}`` positions."""
+
+    def __init__(self, ids, values) -> None:
+        self.token_ids, self.logprobs = list(ids), list(values)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i):
+        return {self.token_ids[i]: SimpleNamespace(logprob=self.logprobs[i], rank=1)}
+
+
+def test_completions_from_outputs_accepts_vllm_output_forms():
+    """token_ids as any int sequence (vLLM may hand an array), log-probs as a list of dicts or
+    a FlatLogprobs-like sequence, finish reasons stop and length."""
+    flat = SimpleNamespace(
+        token_ids=(7, 8, 2),
+        logprobs=FlatLogprobsLike([7, 8, 2], [-0.5, -1.5, -0.25]),
+        finish_reason="stop",
+    )
+    capped = request_output([4, 4], [-2.0, -3.0], reason="length")
+    assert completions_from_outputs([SimpleNamespace(outputs=[flat]), capped]) == [
+        ([7, 8, 2], [-0.5, -1.5, -0.25]),
+        ([4, 4], [-2.0, -3.0]),
+    ]
+
+
+@pytest.mark.parametrize("bad", [-math.inf, math.nan])
+def test_completions_from_outputs_rejects_non_finite_log_probs(bad):
+    with pytest.raises(ValueError, match=r"row 0, token 1: vLLM returned log-prob"):
+        completions_from_outputs([request_output([5, 6], [-0.5, bad])])
+
+
+def test_completions_from_outputs_rejects_several_completions():
+    two = SimpleNamespace(outputs=request_output([1], [-1.0]).outputs * 2)
+    with pytest.raises(ValueError, match="row 0: expected one completion per request, got 2"):
+        completions_from_outputs([two])
 
 
 def test_eos_token_ids_from_dir_reads_tokenizer_and_generation_config(tokenizer, tmp_path):
@@ -307,8 +528,55 @@ def test_update_weights_in_place_in_chunks(model, tokenizer):
     with pytest.raises(ValueError, match="no tensors"):
         engine.update_weights([])
     remote = fake_engine(tokenizer, RolloutConfig(), llm, in_process=False)
-    with pytest.raises(RuntimeError, match="NCCL weight transfer"):
+    with pytest.raises(RuntimeError, match="WeightTransferConfig"):
         remote.update_weights(model.named_parameters())
+
+
+class GraphWrapper:
+    """vLLM's CUDA-graph wrapper around the model: no ``load_weights`` of its own."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+class WrappingRunner:
+    """A GPUModelRunner whose ``model`` is wrapped and whose ``get_model()`` unwraps it."""
+
+    def __init__(self, model) -> None:
+        self.model = GraphWrapper(model)
+
+    def get_model(self):
+        return self.model.inner
+
+
+def test_weight_loader_extension_loads_into_the_unwrapped_model(model):
+    """The worker extension loads through ``model_runner.get_model()`` (the unwrapped model),
+    and returns how many tensors it loaded; the engine's call path ends with a prefix-cache
+    reset, whose False answer (blocks still in use) is an error, and whose None (vLLM 0.10)
+    is not."""
+    target = LoadableModel(model)
+    worker = WeightLoaderExtension()
+    worker.model_runner = WrappingRunner(target)
+    weights = [(n, p.detach()) for n, p in model.named_parameters()][:3]
+    assert worker.creditrl_load_weights(weights) == 3
+    assert all(torch.equal(target.params[n], p) for n, p in weights)
+    assert not any(target.params[n].abs().sum() > 0 for n, _ in list(model.named_parameters())[3:])
+
+
+def test_update_weights_checks_the_prefix_cache_reset(model, tokenizer):
+    llm = FakeLLM(worker_model=LoadableModel(model))
+    engine = fake_engine(tokenizer, RolloutConfig(), llm)
+    llm.reset_result = None
+    assert engine.update_weights(model.named_parameters()) == len(list(model.parameters()))
+    llm.reset_result = False
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache after update_weights"):
+        engine.update_weights(model.named_parameters())
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="weights are asleep"):
+        engine.update_weights(model.named_parameters())
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache after wake_up"):
+        engine.wake_up()
+    assert [e[0] for e in llm.events][-3:] == ["sleep", "wake_up", "reset_prefix_cache"]
 
 
 def test_sleep_wake_and_level_two_needs_new_weights(model, tokenizer):
@@ -381,6 +649,16 @@ def test_vllm_engine_refuses_lora_and_launches_externally_on_ranks(tokenizer, mo
     assert (seen["seed"], seen["gpu_memory_utilization"], seen["dtype"]) == (4, 0.3, "half")
     VLLMRolloutEngine.from_args(EngineArgs(cfg, tokenizer, "dir"))
     assert seen["llm_kwargs"] is None
+    assert seen["tensor_parallel_size"] == 1 and seen["enable_sleep_mode"] is True
+
+
+def test_vllm_engine_refuses_tensor_parallel(tokenizer):
+    """In-place weight pushes need one GPU per engine, and external_launcher tensor
+    parallelism would need the same prompts on every rank of a group: a ConfigError."""
+    cfg = replace(RolloutConfig(), engine="vllm", tensor_parallel_size=2)
+    for world_size in (1, 2):
+        with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size=2: .* needs one GPU"):
+            VLLMRolloutEngine.from_args(EngineArgs(cfg, tokenizer, "dir", world_size=world_size))
 
 
 # ---- real vLLM on a GPU --------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The GPU rollout engine: vLLM behind the ``RolloutEngine`` interface (``rollout.engine=vllm``).
 
+Checked against vLLM's V1 engine, 0.10.2 (the oldest release with the log-probs it needs) up
+to the 2026 main branch (see ``docs/vllm.md`` for the files read); it has never run on a GPU.
+
 Token ids in, token ids out: each prompt row's real ids (left padding stripped with its
 ``attention_mask``) go to vLLM as ``{"prompt_token_ids": ids}`` (vLLM's ``TokensPrompt``), and
 the ids vLLM samples come back as they are; nothing is decoded or re-encoded
@@ -10,12 +13,16 @@ so every later stage is unchanged.
 under the sampling distribution, the same definition as ``creditrl.rollout.sampling``: the
 logits divided by the temperature, then top-k / top-p filtered and renormalised (greedy:
 ``log_softmax`` of the unscaled logits). vLLM's default ``logprobs_mode="raw_logprobs"``
-returns log-probs of the raw logits, *before* temperature and top-k/top-p; this engine builds
+returns log-probs of the raw logits, *before* temperature and top-k/top-p, which differ from
+the trainer's temperature-scaled log-probs whenever the temperature is not 1; this engine builds
 ``LLM(logprobs_mode="processed_logprobs")``, whose log-probs are taken after every logits
-processor including temperature and top-k/top-p (vLLM PR #22387, in 0.10.2 and later; greedy
-requests get ``log_softmax`` of the unscaled logits), and asks for
-``SamplingParams(logprobs=0)``: the sampled token only. Top-k keeps ties with the k-th logit
-and top-p drops a token when the mass of the more likely ones reaches p, in both engines.
+processor including temperature and top-k/top-p (vLLM PR #22387, in 0.10.2 and later;
+``vllm/v1/sample/sampler.py``: greedy requests get ``log_softmax`` of the unscaled logits), and
+asks for ``SamplingParams(logprobs=0)``: the sampled token only. Processed log-probs also keep
+FlashInfer's sampler out (``vllm/v1/sample/ops/topk_topp_sampler.py``), as do per-request
+seeds. vLLM's PyTorch top-k/top-p (``apply_top_k_top_p_pytorch``) keeps ties with the k-th
+logit and drops a token when the mass of the more likely ones reaches p, as the HF engine
+does; recent releases run a Triton kernel for it instead, whose tie handling is not checked.
 
 Reproducibility: each trajectory is its own vLLM request with ``SamplingParams(seed=...)``,
 taken from the batch's ``sample_seed`` (B,) int64 field when present (mod 2^63), else drawn
@@ -24,25 +31,33 @@ seeded request its own random generator, so its samples do not depend on which o
 share the batch (up to float rounding of batch-size dependent kernels). The same seed does
 not give the same tokens as the HF engine: the two draw their randomness differently.
 
-Weights: colocated with the trainer on one GPU, ``update_weights(model.named_parameters())``
-loads the trainer's tensors in place through ``LLM.collective_rpc`` into
-``WeightLoaderExtension`` (vLLM's ``worker_extension_cls``), i.e. the model's own
-``load_weights`` (which fuses q/k/v and gate/up, skips a tied ``lm_head`` and casts to the
-engine dtype), then resets the prefix cache. This needs the engine core and its worker in
-this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with ``tensor_parallel_size=1``, or
-``distributed_executor_backend="external_launcher"`` on every rank of a torch.distributed
-job), so the tensors pass by reference: nothing is serialised. ``sleep()`` / ``wake_up()``
-free and restore vLLM's GPU memory (weights and KV cache) between rollout phases
-(``enable_sleep_mode``).
+Weights: in V1 the model lives in vLLM's worker, so the old
+``llm.llm_engine.model_executor.driver_worker...`` path is not used. Colocated with the
+trainer on one GPU, ``update_weights(model.named_parameters())`` loads the trainer's tensors in
+place through ``LLM.collective_rpc`` into ``WeightLoaderExtension`` (vLLM's
+``worker_extension_cls``), i.e. the model's own ``load_weights`` (which fuses q/k/v and
+gate/up, skips a tied ``lm_head`` and casts to the engine dtype), then resets the prefix cache
+(``LLM.reset_prefix_cache``). This needs the engine core and its worker in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with ``tensor_parallel_size=1`` and vLLM's in-process
+executor, or ``distributed_executor_backend="external_launcher"`` on every rank of a
+torch.distributed job, each rank its own engine), so the tensors pass by reference: nothing
+is serialised. Loading straight into the live parameters is right for unquantised models whose
+post-load processing leaves the weights as the checkpoint has them (vLLM's
+``WeightTransferConfig(reload_mode="direct")`` makes the same assumption); quantised or
+repacked weights need vLLM's own weight-transfer engines. ``sleep()`` / ``wake_up()`` free and
+restore vLLM's GPU memory (weights and KV cache) between rollout phases
+(``enable_sleep_mode``); after ``sleep(level=2)`` the weights are gone and must be pushed again
+before sampling (vLLM issue #29341).
 
-The request building (``prompt_token_lists``, ``request_seeds``, ``sampling_param_dicts``) and
-the response assembly (``completions_from_outputs``, ``assemble_rollout``) are plain functions
-that need neither vLLM nor a GPU.
+The request building (``llm_engine_kwargs``, ``prompt_token_lists``, ``request_seeds``,
+``sampling_param_dicts``) and the response assembly (``completions_from_outputs``,
+``assemble_rollout``) are plain functions that need neither vLLM nor a GPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -61,12 +76,17 @@ from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of, samplin
 
 __all__ = [
     "LOGPROBS_MODE",
+    "MAX_TEMPERATURE",
+    "VLLM_SAMPLING_EPS",
     "WORKER_EXTENSION",
     "VLLMRolloutEngine",
     "WeightLoaderExtension",
     "assemble_rollout",
     "completions_from_outputs",
+    "engine_core_in_process",
     "eos_token_ids_from_dir",
+    "external_launcher_env",
+    "llm_engine_kwargs",
     "prompt_token_lists",
     "request_seeds",
     "sampling_param_dicts",
@@ -75,6 +95,16 @@ __all__ = [
 
 LOGPROBS_MODE = "processed_logprobs"
 WORKER_EXTENSION = "creditrl.rollout.vllm_engine.WeightLoaderExtension"
+EXTERNAL_LAUNCHER = "external_launcher"
+# vLLM's SamplingParams rejects temperature > 2 (vllm/sampling_params.py ``_verify_args``,
+# PR #44965, in the 2026 releases); older releases had no upper bound.
+MAX_TEMPERATURE = 2.0
+# Below this temperature vLLM decodes greedily and reports unscaled log-probs
+# (``_SAMPLING_EPS`` in vllm/sampling_params.py and vllm/v1/sample/sampler.py).
+VLLM_SAMPLING_EPS = 1e-5
+# Executors that run the worker in the engine core's process (vllm/v1/executor/): ``uni``,
+# vLLM's choice for one GPU when none is named, and ``external_launcher`` (one worker per rank).
+_IN_PROCESS_BACKENDS = (None, "uni", EXTERNAL_LAUNCHER)
 _SEED_MODULUS = 1 << 63
 _DEFAULT_CHUNK_BYTES = 1 << 29  # 512 MiB of tensors per collective_rpc call
 
@@ -89,6 +119,85 @@ def vllm_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM needs one"
     return None
+
+
+# ---- engine construction (pure) ------------------------------------------------------------
+
+
+def engine_core_in_process(
+    in_process: bool, tensor_parallel_size: int, distributed_executor_backend: str | None
+) -> bool:
+    """Whether vLLM's engine core and its only local worker run in this process, so that
+    ``collective_rpc`` hands tensors over by reference (in-place ``update_weights``).
+
+    ``external_launcher`` always runs in-process (one worker per rank; vLLM asserts
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vllm/v1/executor/uniproc_executor.py). Otherwise it
+    needs ``in_process`` (which sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's
+    ``InprocClient``), one GPU and the uni-process executor: ``mp`` or ``ray`` put the worker in
+    another process even with one GPU."""
+    if distributed_executor_backend == EXTERNAL_LAUNCHER:
+        return True
+    return (
+        in_process
+        and tensor_parallel_size == 1
+        and distributed_executor_backend in _IN_PROCESS_BACKENDS
+    )
+
+
+def external_launcher_env(rank: int, world_size: int, local_rank: int) -> dict[str, str]:
+    """The variables vLLM's ``external_launcher`` executor reads (``env://``:
+    ``os.environ["RANK"]`` and ``["LOCAL_RANK"]``, vllm/v1/executor/uniproc_executor.py
+    ``ExecutorWithExternalLauncher._distributed_args``) for a rank of a torch.distributed job
+    that was not started by torchrun. ``local_rank`` is the CUDA device index vLLM will use
+    (``cuda:{LOCAL_RANK}``): the trainer's current device."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    if local_rank < 0:
+        raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)}
+
+
+def llm_engine_kwargs(
+    model_path: str | Path,
+    *,
+    seed: int,
+    gpu_memory_utilization: float,
+    enable_sleep_mode: bool,
+    dtype: str,
+    tensor_parallel_size: int,
+    max_model_len: int | None,
+    enforce_eager: bool,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (all of them ``EngineArgs`` fields in
+    vllm/engine/arg_utils.py, 0.10.2 to 2026 main).
+
+    Fixed here: ``logprobs_mode="processed_logprobs"`` (the sampled token's log-prob after
+    temperature and top-k/top-p, ``ModelConfig.logprobs_mode``), ``generation_config="vllm"``
+    (vLLM's own defaults, not the model's generation_config.json sampling defaults) and
+    ``worker_extension_cls`` (``WeightLoaderExtension``, for ``update_weights``). ``extra``
+    (e.g. ``distributed_executor_backend``) is added as given; it may not override them."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": dtype,
+        "seed": int(seed),
+        "gpu_memory_utilization": float(gpu_memory_utilization),
+        "enable_sleep_mode": bool(enable_sleep_mode),
+        "tensor_parallel_size": int(tensor_parallel_size),
+        "max_model_len": max_model_len,
+        "enforce_eager": bool(enforce_eager),
+        "logprobs_mode": LOGPROBS_MODE,
+        "generation_config": "vllm",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    clash = sorted(set(extra or {}) & set(kwargs))
+    if clash:
+        raise ValueError(
+            f"llm_kwargs {clash} are set by VLLMRolloutEngine itself: pass them as its own "
+            "arguments (logprobs_mode, generation_config and worker_extension_cls are fixed)"
+        )
+    kwargs.update(extra or {})
+    return kwargs
 
 
 # ---- request building (pure) ---------------------------------------------------------------
@@ -159,11 +268,17 @@ def sampling_param_dicts(
     of ``stop_token_ids`` (kept in the output) and on nothing else: ``ignore_eos=True`` makes
     the list exact, so an empty list never stops early (as ``HFRolloutEngine`` with
     ``eos_token_ids=[]``). Greedy rows get temperature 0 and no seed; sampled rows get
-    ``seeds[i]``, ``top_k`` (0 when off) and ``top_p``.
+    ``seeds[i]``, ``top_k`` and ``top_p``.
+
+    Field names and ranges are those of vllm/sampling_params.py (0.10.2 to 2026 main): top-k
+    off is ``top_k=0`` (vLLM before 0.8 wanted -1; current releases still accept -1 quietly but
+    prefer 0), ``top_p`` in (0, 1], and a sampling temperature in [``VLLM_SAMPLING_EPS``,
+    ``MAX_TEMPERATURE``]: vLLM decodes greedily below 1e-5 (its log-probs then unscaled) and
+    current releases reject more than 2, so either is a ValueError here, not deep in vLLM.
     """
     base: dict[str, Any] = {
         "n": 1,
-        "max_tokens": params.max_new_tokens,
+        "max_tokens": int(params.max_new_tokens),
         "min_tokens": 0,
         "logprobs": 0,
         "stop_token_ids": [int(t) for t in stop_token_ids],
@@ -180,7 +295,19 @@ def sampling_param_dicts(
     if seeds is None or len(seeds) != num_rows:
         got = None if seeds is None else len(seeds)
         raise ValueError(f"sampling needs one seed per row: {num_rows} rows, {got} seeds")
-    base.update(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p)
+    if not VLLM_SAMPLING_EPS <= params.temperature <= MAX_TEMPERATURE:
+        raise ValueError(
+            f"vLLM samples at temperatures in [{VLLM_SAMPLING_EPS:g}, {MAX_TEMPERATURE:g}] "
+            f"(vllm.SamplingParams; below {VLLM_SAMPLING_EPS:g} it decodes greedily), got "
+            f"{params.temperature}; use temperature 0 for greedy decoding"
+        )
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    base.update(
+        temperature=float(params.temperature),
+        top_k=max(int(params.top_k), 0),
+        top_p=float(params.top_p),
+    )
     return [{**base, "seed": int(seed)} for seed in seeds]
 
 
@@ -190,9 +317,11 @@ def sampling_param_dicts(
 def completions_from_outputs(outputs: Sequence[Any]) -> list[tuple[list[int], list[float]]]:
     """(sampled ids, their log-probs) of each vLLM ``RequestOutput``, in order.
 
-    Reads ``outputs[i].outputs[0].token_ids`` and ``.logprobs`` (one ``{token_id: Logprob}``
-    per position, with ``.logprob``); a missing log-prob, an aborted or empty completion is a
-    ValueError naming the row.
+    Reads ``outputs[i].outputs[0].token_ids`` (the stop id included: vllm/v1/engine/
+    detokenizer.py appends it back) and ``.logprobs``: one ``{token_id: Logprob}`` per position,
+    with ``.logprob`` (vllm/logprobs.py; a ``FlatLogprobs``, vLLM's compact form, reads the same
+    way). A missing or non-finite log-prob, an aborted or empty completion is a ValueError
+    naming the row.
     """
     completions = []
     for i, request_output in enumerate(outputs):
@@ -215,7 +344,13 @@ def completions_from_outputs(outputs: Sequence[Any]) -> list[tuple[list[int], li
             logprob = entry.get(token) if entry else None
             if logprob is None:
                 raise ValueError(f"row {i}, token {j}: no log-prob for the sampled id {token}")
-            log_probs.append(float(logprob.logprob))
+            value = float(logprob.logprob)
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"row {i}, token {j}: vLLM returned log-prob {value} for the sampled id "
+                    f"{token} (logprobs_mode must be {LOGPROBS_MODE!r})"
+                )
+            log_probs.append(value)
         completions.append((ids, log_probs))
     return completions
 
@@ -277,16 +412,39 @@ def eos_token_ids_from_dir(model_path: str | Path, tokenizer: PreTrainedTokenize
 
 
 class WeightLoaderExtension:
-    """Methods vLLM mixes into its GPU worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``),
-    called on every worker by ``LLM.collective_rpc(name, args=...)``."""
+    """Methods vLLM mixes into its GPU worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``:
+    vllm/v1/worker/worker_base.py adds the class to the worker's bases, asserting that no name
+    clashes with the worker's own, e.g. its ``update_weights``), called on every local worker by
+    ``LLM.collective_rpc(name, args=...)``."""
 
     def creditrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named tensors into the worker's model in place (the model's own
-        ``load_weights``: fused projections, tied embeddings, dtype cast); returns their count."""
+        ``load_weights``: fused projections, tied embeddings, dtype cast); returns their count.
+        The model is ``model_runner.get_model()``, which unwraps vLLM's CUDA-graph wrapper
+        (vllm/v1/worker/gpu_model_runner.py); ``model_runner.model`` where there is none."""
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         model.load_weights(weights)
         return len(weights)
+
+
+def _export_external_launcher_env() -> None:
+    """Set ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (``external_launcher_env``) from the
+    trainer's torch.distributed group when its launcher did not (creditrl's workers join the
+    group through a TCP store, not torchrun). Nothing without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    wanted = external_launcher_env(dist.get_rank(), dist.get_world_size(), device)
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    if os.environ["RANK"] != wanted["RANK"]:
+        raise RuntimeError(
+            f"RANK={os.environ['RANK']} in the environment but this process is rank "
+            f"{wanted['RANK']} of the torch.distributed group vLLM's external_launcher joins"
+        )
 
 
 def _weight_chunks(
@@ -377,10 +535,18 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_token_ids: list[int] = [int(t) for t in eos_token_ids]
         self.generator = torch.Generator().manual_seed(seed)
         self.enable_sleep_mode = enable_sleep_mode
-        kwargs = dict(llm_kwargs or {})
-        backend = kwargs.get("distributed_executor_backend")
-        self.in_process = in_process and (
-            tensor_parallel_size == 1 or backend == "external_launcher"
+        backend = (llm_kwargs or {}).get("distributed_executor_backend")
+        self.in_process = engine_core_in_process(in_process, tensor_parallel_size, backend)
+        self.llm_kwargs = llm_engine_kwargs(
+            self.model_path,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            extra=llm_kwargs,
         )
         self.asleep: set[str] = set()  # memory tags vLLM has released ("weights", "kv_cache")
         self.weights_discarded = False  # sleep(level=2) dropped them; update_weights restores
@@ -389,24 +555,16 @@ class VLLMRolloutEngine(RolloutEngine):
             reason = vllm_unavailable_reason()
             if reason is not None:
                 raise RuntimeError(f"rollout.engine=vllm: {reason}")
-            if in_process:
+            if in_process or backend == EXTERNAL_LAUNCHER:
+                # read when the engine is built: vLLM's InprocClient instead of a separate
+                # engine-core process (vllm/v1/engine/core_client.py); external_launcher
+                # asserts it
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if backend == EXTERNAL_LAUNCHER:
+                _export_external_launcher_env()
             import vllm
 
-            llm = vllm.LLM(
-                model=self.model_path,
-                dtype=dtype,
-                seed=seed,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=enable_sleep_mode,
-                tensor_parallel_size=tensor_parallel_size,
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                logprobs_mode=LOGPROBS_MODE,
-                generation_config="vllm",
-                worker_extension_cls=WORKER_EXTENSION,
-                **kwargs,
-            )
+            llm = vllm.LLM(**self.llm_kwargs)
             sampling_params_cls = sampling_params_cls or vllm.SamplingParams
         if sampling_params_cls is None:
             raise ValueError("pass sampling_params_cls together with llm")
@@ -428,7 +586,14 @@ class VLLMRolloutEngine(RolloutEngine):
         if args.lora:
             raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
         cfg = args.cfg
-        launcher = {"distributed_executor_backend": "external_launcher"}
+        if cfg.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: rollout.engine=vllm "
+                "pushes weights in place, which needs one GPU per engine (1); vLLM's "
+                "external_launcher would also need every rank of a tensor-parallel group to "
+                "send the same prompts"
+            )
+        launcher = {"distributed_executor_backend": EXTERNAL_LAUNCHER}
         return cls(
             args.model_path,
             args.tokenizer,
@@ -525,19 +690,21 @@ class VLLMRolloutEngine(RolloutEngine):
         if not self.in_process:
             raise RuntimeError(
                 "in-place update_weights needs vLLM's engine core and its single worker in this "
-                "process (in_process=True, tensor_parallel_size=1); for separate GPUs or "
-                "tensor parallelism use vLLM's NCCL weight transfer "
-                "(vllm.config.WeightTransferConfig(backend='nccl'))"
+                "process (in_process=True, tensor_parallel_size=1 and the uni-process executor, "
+                "or external_launcher); for separate GPUs or tensor parallelism use vLLM's own "
+                "weight transfer (vllm.config.WeightTransferConfig, 2026 releases)"
             )
         if "weights" in self.asleep:
             raise RuntimeError("the weights are asleep: call wake_up(tags=['weights']) first")
         count = 0
         for chunk in _weight_chunks(named_tensors, chunk_bytes):
-            count += sum(self.llm.collective_rpc("creditrl_load_weights", args=(chunk,)))
+            # one count per local worker: 1 (uni-process executor or external_launcher rank)
+            counts = self.llm.collective_rpc("creditrl_load_weights", args=(chunk,))
+            count += max(int(c) for c in counts)
         if count == 0:
             raise ValueError("update_weights got no tensors")
         self.weights_discarded = False
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache("update_weights")
         return count
 
     def sleep(self, level: int = 1) -> None:
@@ -565,4 +732,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.wake_up(tags=None if wanted == {"weights", "kv_cache"} else sorted(wanted))
         self.asleep -= wanted
         if "kv_cache" in wanted:
-            self.llm.reset_prefix_cache()
+            self._reset_prefix_cache("wake_up")
+
+    def _reset_prefix_cache(self, after: str) -> None:
+        """``LLM.reset_prefix_cache()``: KV blocks cached under the old weights or memory must
+        not be reused. Recent releases return False (older ones None) when blocks are still
+        held by running requests, which would leave them in place: a RuntimeError."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError(
+                f"vLLM could not reset its prefix cache after {after} (requests still running)"
+            )
