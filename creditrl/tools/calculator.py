@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from creditrl.tools.registry import Tool
+from creditrl.tools.base import Tool, register_tool
 
 __all__ = ["MAX_CHARS", "MAX_DIGITS", "MAX_EXPONENT", "calculate", "calculator_tool"]
 
@@ -165,6 +165,7 @@ def calculate(expression: str) -> str:
     return _format(value)
 
 
+@register_tool("calculator")
 def calculator_tool() -> Tool:
     """The ``calculator`` Tool."""
     return Tool.from_function(calculate, name="calculator")

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from creditrl.tools.registry import Tool
+from creditrl.tools.base import Tool, register_tool
 
 __all__ = ["DEFAULT_TRIPLES", "KnowledgeGraph", "kg_lookup_tool", "normalize_entity"]
 
@@ -85,6 +85,7 @@ class KnowledgeGraph:
         return "\n".join(" | ".join(t) for t in found)
 
 
+@register_tool("kg_lookup")
 def kg_lookup_tool(path: str | None = None, max_results: int = 20) -> Tool:
     """The ``kg_lookup`` Tool over ``path`` (default: the shipped ``kg_triples.tsv``)."""
     graph = KnowledgeGraph.from_tsv(path or DEFAULT_TRIPLES, max_results)

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from creditrl.errors import ConfigError, UserError
+from creditrl.tools.base import Tool, register_tool
 from creditrl.tools.bwrap import (
     bwrap_command,
     bwrap_problem,
@@ -54,7 +55,6 @@ from creditrl.tools.bwrap import (
     sandbox_python,
     seccomp_file,
 )
-from creditrl.tools.registry import Tool
 from creditrl.tools.seccomp_filter import KEYCTL_JOIN_SESSION_KEYRING, syscall_number
 
 __all__ = ["ISOLATIONS", "PythonSandbox", "python_tool"]
@@ -348,6 +348,7 @@ async def _watch(
     return out, more_out, err, more_err
 
 
+@register_tool("python")
 def python_tool(
     timeout_s: float = 5.0,
     memory_mb: int = 512,
