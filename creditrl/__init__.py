@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from creditrl.version import __version__
+
 if TYPE_CHECKING:
     from creditrl.api import train
     from creditrl.batch import Batch
     from creditrl.exporting import export
 
 __all__ = ["Batch", "__version__", "export", "train"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from creditrl.asynchronous.settings import sampler_id_of
+from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources
 
@@ -80,7 +81,6 @@ def child_commands(
 
 
 _TAIL_BYTES = 16384  # output kept per child for the report
-TAIL_LINES = 20
 
 
 @dataclass
@@ -196,19 +196,6 @@ def _report(child: Child, console: Any) -> int:
     )
     print_tail(console, child.name, child.last_lines())
     return code
-
-
-def print_tail(console: Any, name: str, lines: Sequence[str]) -> None:
-    """The last output lines of a failed process or actor, then how to resume."""
-    if lines:
-        console.print(f"last {len(lines)} line(s) of {name}:", markup=False)
-        for line in lines:
-            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
-    console.print(
-        "async: rerun the same command to resume (the learner from its last checkpoint, the "
-        "samplers resend their unacknowledged groups)",
-        markup=False,
-    )
 
 
 def supervise(

@@ -36,8 +36,8 @@ from typing import Any
 
 from rich.markup import escape
 
-from creditrl.asynchronous.launcher import TAIL_LINES, print_tail
 from creditrl.asynchronous.settings import sampler_id_of
+from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.asynchronous.transport import endpoint, is_loopback
 from creditrl.config import Config
 from creditrl.config.loader import from_dict, to_dict

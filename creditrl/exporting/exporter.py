@@ -8,7 +8,6 @@ from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 
-from creditrl import __version__
 from creditrl.config.loader import load_config
 from creditrl.errors import UserError
 from creditrl.exporting.card import model_card
@@ -22,6 +21,7 @@ from creditrl.exporting.weights import (
     write_tokenizer,
 )
 from creditrl.models import resolve_model_path, torch_dtype
+from creditrl.version import __version__
 
 __all__ = ["ExportResult", "export"]
 

@@ -1,0 +1,24 @@
+"""What the process supervisor (``launcher``) and the Ray actor supervisor (``ray_launch``)
+print about a child that failed: its last output lines, then how to resume."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["TAIL_LINES", "print_tail"]
+
+TAIL_LINES = 20  # output lines of a failed child that are shown
+
+
+def print_tail(console: Any, name: str, lines: Sequence[str]) -> None:
+    """The last output lines of a failed process or actor, then how to resume."""
+    if lines:
+        console.print(f"last {len(lines)} line(s) of {name}:", markup=False)
+        for line in lines:
+            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        "async: rerun the same command to resume (the learner from its last checkpoint, the "
+        "samplers resend their unacknowledged groups)",
+        markup=False,
+    )
