@@ -62,6 +62,27 @@ def _declared(cfg: Config, registry: str, name: str, option: str) -> bool:
     return name not in entries or option in entries.info(name).get("options", ())
 
 
+def _engine_traits(cfg: Config) -> Any:
+    """What the configured engine declared (``register_rollout_engine``); the defaults for a
+    name not registered (refused elsewhere)."""
+    from creditrl.rollout import ROLLOUT_ENGINES
+    from creditrl.rollout.engine import EngineTraits, engine_traits
+
+    name = cfg.rollout.engine
+    return engine_traits(name) if name in ROLLOUT_ENGINES else EngineTraits()
+
+
+def _other_engines_options(cfg: Config) -> tuple[str, ...]:
+    """The ``rollout.*`` keys that registered engines declare as their options and the
+    configured engine does not."""
+    from creditrl.rollout import ROLLOUT_ENGINES
+    from creditrl.rollout.engine import engine_traits
+
+    ours = set(_engine_traits(cfg).options)
+    declared = {key for name in ROLLOUT_ENGINES for key in engine_traits(name).options}
+    return tuple(f"rollout.{key}" for key in sorted(declared - ours))
+
+
 def _loss_reads(cfg: Config, option: str) -> bool:
     """The configured policy loss declared ``option`` (``register_policy_loss(options=)``)."""
     return _declared(cfg, "POLICY_LOSSES", cfg.actor.policy_loss, option)
@@ -213,8 +234,10 @@ def _check_combinations(cfg: Config) -> None:
             f"trainer.workers={cfg.trainer.workers} needs trainer.backend=ray "
             "(the local backend is one process)"
         )
-    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
-        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    if cfg.model.lora_rank > 0 and not _engine_traits(cfg).supports_lora:
+        raise ConfigError(
+            f"rollout.engine={cfg.rollout.engine} with model.lora_rank > 0 is not supported yet"
+        )
     if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature == 0:
         raise ConfigError(
             f"rollout.val_n={cfg.rollout.val_n} with rollout.val_temperature=0 validates with "
@@ -250,8 +273,11 @@ def validate_config(cfg: Config) -> None:
 
 
 # (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
-UnusedRule = tuple[Callable[[Config], bool], tuple[str, ...], Callable[[Config], str]]
-VLLM_KEYS = ("gpu_memory_utilization", "enable_sleep_mode", "vllm_dtype", "tensor_parallel_size")
+UnusedRule = tuple[
+    Callable[[Config], bool],
+    tuple[str, ...] | Callable[[Config], tuple[str, ...]],
+    Callable[[Config], str],
+]
 UNUSED_RULES: tuple[UnusedRule, ...] = (
     (
         lambda c: not uses_critic(c),
@@ -292,9 +318,9 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: "reward.reward_model.enable=false",
     ),
     (
-        lambda c: c.rollout.engine == "hf",
-        tuple(f"rollout.{key}" for key in VLLM_KEYS),
-        lambda c: "rollout.engine=hf (these are vllm settings)",
+        lambda c: True,
+        lambda c: _other_engines_options(c),
+        lambda c: f"rollout.engine={c.rollout.engine} (these settings are other engines')",
     ),
     (
         lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
@@ -376,9 +402,10 @@ def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:
     not use, with their values and why, e.g. "critic.optim.lr=1e-05 is set but
     algorithm.adv_estimator=grpo uses no critic"."""
     lines = []
-    for applies, keys, reason in UNUSED_RULES:
+    for applies, rule_keys, reason in UNUSED_RULES:
         if not applies(cfg):
             continue
+        keys = rule_keys(cfg) if callable(rule_keys) else rule_keys
         hit = sorted(
             key
             for key in explicit

@@ -90,13 +90,18 @@ class RolloutEngine:
       its own weights, pushed with ``update_weights`` at start and after every update;
     - ``exact_log_probs``: without top-k/top-p, ``rollout_log_probs`` are the actor's own
       log-probs at the same temperature (same weights, same numerics), so the trainer may use
-      them as ``old_log_probs`` (``rollout_log_probs_are_actors``).
+      them as ``old_log_probs`` (``rollout_log_probs_are_actors``);
+    - ``supports_lora``: it samples from a LoRA actor (``model.lora_rank > 0``);
+    - ``options``: the ``rollout.*`` settings only it reads (vLLM's memory share, say); one
+      set for an engine that does not declare it draws a warning.
 
     ``generator`` is the engine's ``torch.Generator`` (saved in checkpoints).
     """
 
     samples_with_actor_module: ClassVar[bool] = False
     exact_log_probs: ClassVar[bool] = False
+    supports_lora: ClassVar[bool] = True
+    options: ClassVar[tuple[str, ...]] = ()
     generator: torch.Generator
 
     @classmethod
@@ -159,16 +164,25 @@ class EngineTraits:
     samples_with_actor_module: bool = False
     exact_log_probs: bool = False
     unavailable_reason: Callable[[], str | None] = _available
+    supports_lora: bool = True
+    options: tuple[str, ...] = ()
 
 
-_TRAITS = ("samples_with_actor_module", "exact_log_probs", "unavailable_reason")
+_TRAITS = (
+    "samples_with_actor_module",
+    "exact_log_probs",
+    "unavailable_reason",
+    "supports_lora",
+    "options",
+)
 
 
 def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable[[E], E]:
     """Decorator: register an engine class (built by its ``from_args(args)``, else
     ``cls(args)``; its class attributes declare the traits) or a builder ``fn(args: EngineArgs)
     -> engine`` under ``name`` and ``aliases``. Keywords (``samples_with_actor_module``,
-    ``exact_log_probs``, ``unavailable_reason``) declare or override the traits."""
+    ``exact_log_probs``, ``unavailable_reason``, ``supports_lora``, ``options``) declare or
+    override the traits."""
     unknown = sorted(set(traits) - set(_TRAITS))
     if unknown:
         raise TypeError(f"register_rollout_engine: unknown traits {unknown}; use {list(_TRAITS)}")

@@ -491,6 +491,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     samples_with_actor_module = False
     exact_log_probs = False
+    supports_lora = False  # LoRA weights would have to be merged or loaded as adapters
+    options = ("gpu_memory_utilization", "enable_sleep_mode", "vllm_dtype", "tensor_parallel_size")
 
     def __init__(
         self,

@@ -1,0 +1,141 @@
+"""The package's shape: no import circle between its files, and no module outside the
+registries branching on a registered name."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import creditrl
+
+ROOT = Path(creditrl.__file__).parent
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in ROOT.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    """The creditrl module an import of ``name`` loads (a name inside a module: the module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(
+        node.test
+    )
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """Every creditrl module ``tree`` imports, at module level or inside a function (both run
+    sooner or later), except under ``if TYPE_CHECKING:``."""
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == "creditrl":
+                found.update(
+                    filter(None, (_resolve(f"{node.module}.{a.name}") for a in node.names))
+                )
+        elif isinstance(node, ast.Import):
+            found.update(
+                filter(
+                    None, (_resolve(a.name) for a in node.names if a.name.startswith("creditrl"))
+                )
+            )
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_between_files() -> None:
+    graph = {name: _imports(ast.parse(path.read_text())) - {name} for name, path in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# settings whose value is a registered name, and a comparison of one with a literal
+REGISTERED = ("policy_loss", "adv_estimator", "engine", "loss_agg_mode", "kl_loss_type",
+              "kl_penalty", r"kl_ctrl\.type")  # fmt: skip
+NAME_BRANCH = re.compile(
+    rf"""\.({"|".join(REGISTERED)})\s*(==|!=|(not\s+)?in\s*[(\[{{])\s*["'(\[{{]"""
+    rf"""|["']\s*(==|!=)\s*[\w.]*\.({"|".join(REGISTERED)})\b"""
+)
+
+
+def test_no_module_branches_on_a_registered_name() -> None:
+    """Outside creditrl/core/ and creditrl/rollout/ (where the registries live), no module
+    compares a setting holding a registered name (estimator, loss, aggregation, KL estimator or
+    controller, engine) with a literal: code reads what the entry declared."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.relative_to(ROOT).parts[0] in ("core", "rollout"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if NAME_BRANCH.search(line):
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_the_name_branch_pattern_catches_the_forms() -> None:
+    lines = ('if cfg.actor.policy_loss == "ppo":', "x = cfg.rollout.engine != 'hf'",
+             'if c.actor.loss_agg_mode in ("token-mean", "x"):',
+             'if "gae" == cfg.algorithm.adv_estimator:')  # fmt: skip
+    for line in lines:
+        assert NAME_BRANCH.search(line), line
+    assert not NAME_BRANCH.search("if name in POLICY_LOSSES:")
