@@ -14,12 +14,9 @@ k-th answer. A ``rejected`` acknowledgement names its ``reason`` (``validation.R
 has ``seq`` null when the message carried no readable one. ``disconnected`` tells a sampler
 that the learner ignores it from now on (too many rejected messages).
 
-Fields a group carries beyond the catalogue (``creditrl.batch.FIELDS``), documented here:
-
-- ``weight_version`` (B,) int64: the policy version that sampled the episode;
-- ``staleness`` (B,) int64: learner version at training time minus ``weight_version``
-  (written by the learner);
-- ``episode_id`` (B,) object[str], ``sampler_id`` (B,) object[str].
+The fields a group carries, their dtypes, widths and which samplers send them, are the field
+catalogue's (``creditrl.batch.FIELDS``: ``weight_version``, ``staleness``, ``episode_id`` and
+``sampler_id`` among them), which ``validation`` checks every group against.
 """
 
 from __future__ import annotations

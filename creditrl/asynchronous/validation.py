@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from creditrl.batch import Batch
+from creditrl.batch import Batch, fields
 from creditrl.batch import io as batch_io
 from creditrl.bounded_json import JsonLimitError, JsonLimits, held_bytes
 
@@ -67,44 +67,41 @@ REASONS = {
     "(not counted toward asynchronous.max_rejects)",
 }
 
+# What a sampler may send is the field catalogue's (``creditrl.batch.FIELDS``): a field's
+# ``wire`` says which groups carry it, its ``dtype`` and ``width`` what it is, a tensor's
+# ``kind`` its value check, a column's ``json_types`` its values' types.
+
+
+def _group(wire: str, tensor: bool = True) -> tuple[str, ...]:
+    """The catalogue's fields (tensors, or non-tensor columns) that ``wire`` groups carry."""
+    return tuple(n for n, s in fields.FIELDS.items() if s.wire == wire and s.is_tensor == tensor)
+
+
 # Tensors every group holds; ref_log_prob (ref_on=sampler) and rm_scores (a reward model)
 # are added by some runs (``GroupLimits.optional``).
-EPISODE_FIELDS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "prompts",
-    "responses",
-    "response_mask",
-    "rollout_log_probs",
-    "token_level_scores",
-    "weight_version",
-)
-# name -> (kind, width): kind picks the dtype and value check, width the second dimension.
-_TENSORS = {
-    "input_ids": ("ids", "P+T"),
-    "attention_mask": ("mask", "P+T"),
-    "position_ids": ("position", "P+T"),
-    "prompts": ("ids", "P"),
-    "responses": ("ids", "T"),
-    "response_mask": ("mask", "T"),
-    "rollout_log_probs": ("log_prob", "T"),
-    "ref_log_prob": ("log_prob", "T"),
-    "token_level_scores": ("score", "T"),
-    "rm_scores": ("score", "T"),
-    "weight_version": ("version", None),
-    # agent runs (agent.enable): the loop's turn numbers and spec 001's structured parts
-    "turn_ids": ("count", "T"),
-    "num_turns": ("count", None),
-    "turn_scores": ("score", None),
-    "global_scores": ("score", None),
-}
+EPISODE_FIELDS = _group("episode")
 # tensors an agent run's groups carry (GroupLimits.optional)
-AGENT_FIELDS = ("turn_ids", "num_turns")
-STRUCTURED_FIELDS = ("turn_scores", "global_scores")
-_DTYPES = {"ids": torch.int64, "mask": torch.int64, "position": torch.int64,
-           "version": torch.int64, "log_prob": torch.float32, "score": torch.float32,
-           "count": torch.int64}  # fmt: skip
+AGENT_FIELDS = _group("agent")
+STRUCTURED_FIELDS = _group("structured")
+_REQUIRED_COLUMNS = _group("episode", tensor=False)
+
+
+def _tensors() -> dict[str, fields.FieldSpec]:
+    """Tensor -> its catalogue entry, for every tensor a sampler may send (read at each check,
+    so the catalogue is the one table)."""
+    return {n: s for n, s in fields.FIELDS.items() if s.wire and s.is_tensor}
+
+
+def _columns() -> dict[str, tuple[type, ...] | None]:
+    """Non-tensor column -> allowed JSON types of each value (None: any JSON value)."""
+    return {n: s.json_types for n, s in fields.FIELDS.items() if s.wire and not s.is_tensor}
+
+
+def _dtype(spec: fields.FieldSpec) -> torch.dtype:
+    """The torch dtype of a catalogued tensor."""
+    return getattr(torch, spec.base_dtype)
+
+
 _MAX_COUNT = 1 << 20  # turn numbers and counts: small non-negative integers
 _MAX_LOG_PROB = 1e-3  # log-probs are <= 0; a little slack for rounding
 _MAX_SCORE = 1e9  # larger rewards overflow float32 statistics (squares in the group std)
@@ -114,25 +111,6 @@ GROUP_OVERHEAD = 16 * 1024
 # JSON limits of a group when no config gives them (``messages.decode`` without limits): the
 # size of the smallest frame limit (settings.max_message_bytes), 1 item per 32 bytes
 DEFAULT_JSON_LIMITS = JsonLimits(max_bytes=8 << 20, max_depth=64, max_items=(8 << 20) // 32)
-# non-tensor column -> allowed JSON types of each value (None: any JSON value)
-_COLUMNS: dict[str, tuple[type, ...] | None] = {
-    "uid": (str,),
-    "episode_id": (str,),
-    "sampler_id": (str,),
-    "raw_prompt": (list, str),
-    "ground_truth": None,
-    "data_source": (str,),
-    "extra_info": (dict,),
-    "index": (int,),
-    "reward_extra_info": (dict,),
-    "traj_id": (str,),
-    "tool_calls": (list,),
-    "agent_info": (dict,),
-    "messages": (list,),
-    "structured_rewards": (dict,),
-    "tokenization_drift": (dict, type(None)),
-}
-_REQUIRED_COLUMNS = ("uid", "episode_id", "sampler_id")
 _META: dict[str, tuple[type, ...]] = {
     "temperature": (int, float),
     "max_response_length": (int,),
@@ -191,7 +169,7 @@ def max_group_bytes(n: int, max_prompt: int, max_response: int, json_limits: Jso
     """The most bytes a group ``check_payload`` accepts holds: ``n`` rows of every catalogue
     tensor at the widest widths, its JSON at ``json_limits``, and ``GROUP_OVERHEAD``."""
     widths = {"P": max_prompt, "T": max_response, "P+T": max_prompt + max_response, None: 1}
-    tensors = sum(n * widths[w] * _DTYPES[kind].itemsize for kind, w in _TENSORS.values())
+    tensors = sum(n * widths[s.width] * _dtype(s).itemsize for s in _tensors().values())
     return tensors + json_limits.held_bound() + GROUP_OVERHEAD
 
 
@@ -201,23 +179,25 @@ def _check_fields(group: Batch, where: str) -> None:
     if missing:
         raise MessageError(f"{where} lacks fields {missing}", "fields")
     tensors = list(group.tensors.keys())
-    unknown = [n for n in tensors if n not in _TENSORS]
-    unknown += [n for n in group.non_tensors if n not in _COLUMNS]
+    known, columns = _tensors(), _columns()
+    unknown = [n for n in tensors if n not in known]
+    unknown += [n for n in group.non_tensors if n not in columns]
     unknown += [f"meta[{k!r}]" for k in group.meta if k not in _META]
     if unknown:
         raise MessageError(f"{where} holds fields this learner does not know: {unknown}", "fields")
 
 
 def _check_tensors(group: Batch, where: str) -> None:
+    specs = _tensors()
     for name, x in group.tensors.items():
-        kind, _ = _TENSORS[name]
-        if x.dtype != _DTYPES[kind]:
-            raise MessageError(f"{where}: {name} is {x.dtype}, not {_DTYPES[kind]}", "dtype")
+        want = _dtype(specs[name])
+        if x.dtype != want:
+            raise MessageError(f"{where}: {name} is {x.dtype}, not {want}", "dtype")
     b = len(group)
     p, t = group["prompts"].shape[-1], group["responses"].shape[-1]
     widths = {"P": p, "T": t, "P+T": p + t}
     for name, x in group.tensors.items():
-        width = _TENSORS[name][1]
+        width = specs[name].width
         expected = (b,) if width is None else (b, widths[width])
         if tuple(x.shape) != expected or (width is not None and widths[width] < 1):
             raise MessageError(
@@ -226,7 +206,7 @@ def _check_tensors(group: Batch, where: str) -> None:
                 "shape",
             )
     for name, x in group.tensors.items():
-        kind = _TENSORS[name][0]
+        kind = specs[name].kind
         if kind == "ids" and bool((x < 0).any()):
             raise MessageError(f"{where}: {name} holds negative token ids", "token_id")
         if kind == "mask" and not bool(((x == 0) | (x == 1)).all()):
@@ -248,8 +228,9 @@ def _check_tensors(group: Batch, where: str) -> None:
 
 
 def _check_non_tensors(group: Batch, where: str) -> None:
+    columns = _columns()
     for name, column in group.non_tensors.items():
-        allowed = _COLUMNS[name]
+        allowed = columns[name]
         for i, value in enumerate(column):
             bad_type = allowed is not None and (
                 not isinstance(value, allowed) or isinstance(value, bool)
