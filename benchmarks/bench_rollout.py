@@ -51,7 +51,7 @@ from creditrl.config.schema import DataConfig, RolloutConfig
 from creditrl.data import build_datasets
 from creditrl.models.embedded import embedded_model_dir
 from creditrl.models.tokenizer import load_tokenizer
-from creditrl.rollout import HFRolloutEngine, hf_engine
+from creditrl.rollout import HFRolloutEngine, cpu_kernels, hf_engine
 
 PROMPTS, N, MAX_NEW = 4, 4, 96
 
@@ -123,15 +123,15 @@ def plain_dynamic_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
 
 def run_ours_without(measure: str, *args, **kwargs) -> Result:
     """run_ours with one of the engine's CPU measures switched off."""
-    saved = hf_engine.SMALL_BATCH_ROWS, hf_engine.preallocated_cache
+    saved = cpu_kernels.SMALL_BATCH_ROWS, hf_engine.preallocated_cache
     if measure == "weight_major":
-        hf_engine.SMALL_BATCH_ROWS = 0
+        cpu_kernels.SMALL_BATCH_ROWS = 0
     else:
         hf_engine.preallocated_cache = plain_dynamic_cache
     try:
         return run_ours(*args, **kwargs)
     finally:
-        hf_engine.SMALL_BATCH_ROWS, hf_engine.preallocated_cache = saved
+        cpu_kernels.SMALL_BATCH_ROWS, hf_engine.preallocated_cache = saved
 
 
 def run_hf(model, tokenizer, prompts, seeds, **options) -> Result:

@@ -14,13 +14,15 @@ from creditrl import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.rollout import (
     HFRolloutEngine,
+    cpu_kernels,
     eos_token_ids_of,
     filter_logits,
     hf_engine,
     llama_decode,
     sample_next_tokens,
 )
-from creditrl.rollout.hf_engine import PreallocatedLayer, preallocated_cache, weight_major_linears
+from creditrl.rollout.cpu_kernels import weight_major_linears
+from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
 from creditrl.rollout.sampling import inverse_cdf_sample
 
@@ -55,9 +57,15 @@ PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 
 
 
 def engine(model, tokenizer, **overrides) -> HFRolloutEngine:
-    options = {
-        k: overrides.pop(k) for k in ("seed", "eos_token_ids", "remove_finished") if k in overrides
-    }
+    engine_options = (
+        "seed",
+        "eos_token_ids",
+        "remove_finished",
+        "fast_decode",
+        "tree_prefill",
+        "small_batch_rows",
+    )
+    options = {k: overrides.pop(k) for k in engine_options if k in overrides}
     cfg = replace(RolloutConfig(max_response_length=12, micro_batch_size=64), **overrides)
     return HFRolloutEngine(model, tokenizer, cfg, **options)
 
@@ -354,14 +362,18 @@ def test_weight_major_linears_give_the_linear_values(rows, out_features):
 # ---- no forward passes on finished rows ------------------------------------------------------
 
 
-def test_finished_rows_leave_the_running_batch(model, tokenizer, monkeypatch):
-    monkeypatch.setattr(hf_engine, "FAST_DECODE", False)  # count rows through model.forward
+def test_finished_rows_leave_the_running_batch(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=4)
     stop_ids = list(range(0, 49152, 5))
     outs, sizes = {}, {}
     for remove in (True, False):
-        rollout = engine(
-            model, tokenizer, eos_token_ids=stop_ids, remove_finished=remove, max_response_length=8
+        rollout = engine(  # fast_decode=False: count rows through model.forward
+            model,
+            tokenizer,
+            eos_token_ids=stop_ids,
+            remove_finished=remove,
+            max_response_length=8,
+            fast_decode=False,
         )
         sizes[remove], handle = count_forward_rows(model)
         try:
@@ -384,14 +396,13 @@ def test_finished_rows_leave_the_running_batch(model, tokenizer, monkeypatch):
 
 
 @pytest.mark.parametrize("greedy", [False, True])
-def test_llama_decoder_equals_the_model_forward(model, tokenizer, monkeypatch, greedy):
+def test_llama_decoder_equals_the_model_forward(model, tokenizer, greedy):
     """The plain-Llama decode step samples the same tokens with log-probs within 1e-5 of the
     model's own forward, finished rows leaving the batch as before."""
     prompts = prompt_batch(PROMPTS, repeat=3)
     outs, stats = {}, {}
     for fast in (True, False):
-        monkeypatch.setattr(hf_engine, "FAST_DECODE", fast)
-        rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 7)))
+        rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 7)), fast_decode=fast)
         outs[fast] = rollout.generate(prompts, seed=3, greedy=greedy)
         stats[fast] = rollout.last_stats
     assert LlamaDecoder.for_model(model) is not None
@@ -419,16 +430,13 @@ def test_llama_decoder_attends_with_the_fused_kernel(model, tokenizer):
 
 
 @pytest.mark.parametrize("fast_decode", [False, True])
-def test_generation_passes_the_cache_by_its_current_name(
-    model, tokenizer, monkeypatch, fast_decode
-):
+def test_generation_passes_the_cache_by_its_current_name(model, tokenizer, fast_decode):
     """The engine hands the KV cache to the model under the keyword its forward names
     (transformers 5.2x renamed ``past_key_values`` to ``cache`` and warns on the old one), so a
     run prints no deprecation warning: padded and trie prefill, decode through the model and
     through the Llama decoder."""
-    monkeypatch.setattr(hf_engine, "FAST_DECODE", fast_decode)
-    assert hf_engine.cache_keyword(model) in inspect.signature(type(model).forward).parameters
-    rollout = engine(model, tokenizer, eos_token_ids=[])
+    assert cache_keyword(model) in inspect.signature(type(model).forward).parameters
+    rollout = engine(model, tokenizer, eos_token_ids=[], fast_decode=fast_decode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rollout.generate(prompt_batch(PROMPTS, repeat=2), seed=0)
@@ -445,7 +453,7 @@ def test_a_lora_model_gets_the_cache_by_its_base_models_name(model, tokenizer) -
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lora = apply_lora(copy.deepcopy(model), rank=4, alpha=8, target_modules="q_proj,v_proj")
-        assert hf_engine.cache_keyword(lora) == hf_engine.cache_keyword(model)
+        assert cache_keyword(lora) == cache_keyword(model)
         engine(lora, tokenizer, eos_token_ids=[]).generate(prompt_batch(PROMPTS[:1]), seed=0)
     assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
 
@@ -471,7 +479,7 @@ def test_llama_decoder_only_takes_plain_llamas(model):
     assert LlamaDecoder.for_model(copy.deepcopy(model).to(torch.float64)) is None
 
 
-def test_trie_prefill_equals_the_padded_prefill(model, tokenizer, monkeypatch):
+def test_trie_prefill_equals_the_padded_prefill(model, tokenizer):
     """Prompts sharing a 4-token head: the trie prefill runs each shared prefix once and gives
     the padded prefill's samples and log-probs."""
     head = [1, 520, 9, 33]
@@ -479,8 +487,7 @@ def test_trie_prefill_equals_the_padded_prefill(model, tokenizer, monkeypatch):
     prompts = prompt_batch(rows, repeat=3)
     outs, stats = {}, {}
     for tree in (True, False):
-        monkeypatch.setattr(hf_engine, "TREE_PREFILL", tree)
-        rollout = engine(model, tokenizer, max_response_length=6)
+        rollout = engine(model, tokenizer, max_response_length=6, tree_prefill=tree)
         outs[tree] = rollout.generate(prompts, seed=5)
         stats[tree] = rollout.last_stats
     assert torch.equal(outs[True]["responses"], outs[False]["responses"])
@@ -490,6 +497,28 @@ def test_trie_prefill_equals_the_padded_prefill(model, tokenizer, monkeypatch):
     assert stats[False]["prefill_tokens"] == 7 + 5 + 6 + 2
     assert stats[True]["prefill_tokens"] == 4 + 3 + 1 + 2 + 2  # head, tails, [5, 6]
     assert stats[True]["prefill_rows"] == stats[False]["prefill_rows"] == 4
+
+
+def test_engine_toggles_are_per_engine_with_module_defaults(model, tokenizer, monkeypatch):
+    """The speed toggles are constructor arguments: two engines in one process can differ and
+    sample the same tokens; left out, the module-level defaults are read when it is built."""
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    plain = engine(model, tokenizer, fast_decode=False, tree_prefill=False, small_batch_rows=0)
+    fast = engine(model, tokenizer)
+    assert (plain.fast_decode, plain.tree_prefill, plain.small_batch_rows) == (False, False, 0)
+    assert (fast.fast_decode, fast.tree_prefill) == (True, True)
+    assert fast.small_batch_rows == cpu_kernels.SMALL_BATCH_ROWS > 0
+    outs = [rollout.generate(prompts, seed=4) for rollout in (plain, fast)]
+    assert torch.equal(outs[0]["responses"], outs[1]["responses"])
+    torch.testing.assert_close(
+        outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"], atol=1e-5, rtol=0
+    )
+    monkeypatch.setattr(hf_engine, "FAST_DECODE", False)
+    monkeypatch.setattr(hf_engine, "TREE_PREFILL", False)
+    monkeypatch.setattr(cpu_kernels, "SMALL_BATCH_ROWS", 3)
+    later = engine(model, tokenizer)
+    assert (later.fast_decode, later.tree_prefill, later.small_batch_rows) == (False, False, 3)
+    assert fast.fast_decode and fast.tree_prefill  # built before: unchanged
 
 
 # ---- input checks and model state ------------------------------------------------------------

@@ -13,8 +13,13 @@ from creditrl.rollout.engine import (
     register_rollout_engine,
     rollout_log_probs_are_actors,
 )
-from creditrl.rollout.hf_engine import HFRolloutEngine, SamplingParams, eos_token_ids_of
-from creditrl.rollout.sampling import filter_logits, sample_next_tokens
+from creditrl.rollout.hf_engine import HFRolloutEngine
+from creditrl.rollout.sampling import (
+    SamplingParams,
+    eos_token_ids_of,
+    filter_logits,
+    sample_next_tokens,
+)
 from creditrl.rollout.vllm_engine import VLLMRolloutEngine
 
 __all__ = [

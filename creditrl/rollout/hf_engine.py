@@ -21,229 +21,55 @@ from its previous turn, prefilling only the tokens appended since, and step 3 ke
 row's KV before it leaves (``creditrl.rollout.turn_cache``).
 
 Two CPU measures, measured in ``benchmarks/bench_rollout.py`` (2 cores, SmolLM2-135M, 16 x 96
-tokens): the DynamicCache's full-attention layers are ``PreallocatedLayer`` (keys/values
-written in place into a buffer sized for prompt + response, instead of ``torch.cat`` of the
-whole cache at every step), and float32 ``nn.Linear`` calls on at most
-``SMALL_BATCH_ROWS`` rows compute ``(W @ x^T)^T`` (MKL streams the weight far faster in that
-layout for few rows: the 49152 x 576 LM head takes ~5 ms instead of ~20 ms for 2-8 rows).
+tokens): the KV cache's full-attention layers write in place (``rollout.kv_cache``), and
+float32 ``nn.Linear`` calls on few rows use the weight-major product (``rollout.cpu_kernels``).
+
+The module-level ``FAST_DECODE`` and ``TREE_PREFILL`` (and ``cpu_kernels.SMALL_BATCH_ROWS``)
+are the defaults of the engine's ``fast_decode``, ``tree_prefill`` and ``small_batch_rows``
+arguments, read when an engine is built, so engines in one process can differ. The sampling
+settings and stop ids come from ``rollout.sampling``.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicLayer
 
 from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
+from creditrl.rollout import cpu_kernels
+from creditrl.rollout.cpu_kernels import weight_major_linears
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
+from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
-from creditrl.rollout.sampling import counter_uniforms, sample_next_tokens
+from creditrl.rollout.sampling import (
+    SamplingParams,
+    counter_uniforms,
+    eos_token_ids_of,
+    sample_next_tokens,
+    sampling_params_of,
+)
 
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
 
-__all__ = [
-    "FAST_DECODE",
-    "LARGE_WEIGHT_ROWS",
-    "SMALL_BATCH_ROWS",
-    "TREE_PREFILL",
-    "HFRolloutEngine",
-    "PreallocatedLayer",
-    "SamplingParams",
-    "cache_keyword",
-    "eos_token_ids_of",
-    "preallocated_cache",
-    "prompt_keys",
-    "sampling_params_of",
-    "weight_major_linears",
-]
+__all__ = ["FAST_DECODE", "TREE_PREFILL", "HFRolloutEngine", "prompt_keys"]
 
 _PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
 _STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_rows", "decode_steps")
 
-# float32 CPU nn.Linear calls on at most this many rows use the (W @ x^T)^T layout; 0: never.
-SMALL_BATCH_ROWS = 8
-# Decode plain float32 CPU Llama models with rollout.llama_decode.LlamaDecoder.
+# Defaults of the engine's arguments (read when an engine is built):
+# decode plain float32 CPU Llama models with rollout.llama_decode.LlamaDecoder;
 FAST_DECODE = True
-# Prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
+# prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
-# ... and on at most this many rows for weights of _LARGE_WEIGHT elements or more: the 49152 x
-# 576 LM head took 17 / 28 / 44 ms for 16 / 32 / 64 rows, against 25 / 40 / 73 ms as nn.Linear.
-LARGE_WEIGHT_ROWS = 64
-_LARGE_WEIGHT = 1 << 22  # elements (16 MiB in float32)
-
-
-class PreallocatedLayer(DynamicLayer):
-    """A DynamicCache layer that writes new keys/values in place into a preallocated buffer.
-
-    ``keys``/``values`` are views of the first ``length`` positions of buffers of
-    ``capacity`` positions (grown by doubling if exceeded), so a decode step copies only the
-    new token's states instead of the whole cache (``DynamicLayer`` concatenates).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self._key_buffer = key_states.new_empty(_buffer_shape(key_states, self.capacity))
-        self._value_buffer = value_states.new_empty(_buffer_shape(value_states, self.capacity))
-        self.length = 0
-        self._refresh_views()
-        self.is_initialized = True
-
-    def _refresh_views(self) -> None:
-        self.keys = self._key_buffer[:, :, : self.length]
-        self.values = self._value_buffer[:, :, : self.length]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self._key_buffer.shape[-2]:
-            self._resize(len(self._key_buffer), max(end, 2 * self._key_buffer.shape[-2]))
-        self._key_buffer[:, :, self.length : end] = key_states
-        self._value_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self._refresh_views()
-        return self.keys, self.values
-
-    def _resize(self, rows: int, capacity: int, indices: torch.Tensor | None = None) -> None:
-        """New buffers of ``rows`` x ``capacity`` holding the cached rows (``indices`` of them)."""
-        for name in ("_key_buffer", "_value_buffer"):
-            old = getattr(self, name)
-            new = old.new_empty((rows, old.shape[1], capacity, *old.shape[3:]))
-            used = old[:, :, : self.length]
-            new[:, :, : self.length] = used if indices is None else used[indices]
-            setattr(self, name, new)
-        self._refresh_views()
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._resize(len(indices), self._key_buffer.shape[-2], indices.to(self.device))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            rows = torch.arange(len(self._key_buffer), device=self.device)
-            self.batch_select_indices(rows.repeat_interleave(repeats))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens, got {tokens_to_remove}")
-        self.length = max(0, self.length + tokens_to_remove)
-        if self.is_initialized:
-            self._refresh_views()
-
-    def reset(self) -> None:
-        self.length = 0
-        super().reset()
-
-
-def _buffer_shape(states: torch.Tensor, capacity: int) -> tuple[int, ...]:
-    return (states.shape[0], states.shape[1], capacity, *states.shape[3:])
-
-
-def preallocated_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
-    """A DynamicCache for ``model`` whose plain (full-attention) layers are PreallocatedLayer;
-    other layer kinds (sliding window, linear attention) stay as transformers makes them."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [
-        PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
-    ]
-    return cache
-
-
-def _weight_major_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` computed as ``(W @ x^T)^T`` for 2..SMALL_BATCH_ROWS rows, and up to
-    LARGE_WEIGHT_ROWS rows for large weights (the LM head). One row uses the matrix-vector
-    product, except for large weights, where the row is doubled: MKL's one-row path reads them
-    ~3x slower than its two-row one."""
-    rows = x.numel() // x.shape[-1]
-    large = module.weight.numel() >= _LARGE_WEIGHT
-    limit = LARGE_WEIGHT_ROWS if large else SMALL_BATCH_ROWS
-    if rows > limit or rows == 0 or (rows == 1 and not large):
-        return nn.functional.linear(x, module.weight, module.bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        flat = torch.cat([flat, flat])
-    out = torch.mm(module.weight, flat.t())[:, :rows].t().contiguous()
-    if module.bias is not None:
-        out += module.bias
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-@contextmanager
-def weight_major_linears(model: nn.Module) -> Iterator[int]:
-    """Within the block, float32 CPU ``nn.Linear`` modules of ``model`` compute few-row inputs
-    as ``(W @ x^T)^T`` (same values to float rounding). Modules whose ``forward`` is already
-    replaced (e.g. by accelerate hooks) are left alone. Yields the number of modules patched."""
-    patched = []
-    if SMALL_BATCH_ROWS > 0:
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (
-                type(module) is nn.Linear
-                and "forward" not in module.__dict__
-                and weight is not None
-                and weight.device.type == "cpu"
-                and weight.dtype == torch.float32
-            ):
-                module.forward = partial(_weight_major_linear, module)
-                patched.append(module)
-    try:
-        yield len(patched)
-    finally:
-        for module in patched:
-            del module.forward
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One generate() call's settings. ``greedy`` ignores temperature, top-k and top-p."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    max_new_tokens: int
-    greedy: bool
-
-
-def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids that end a response: the tokenizer's EOS plus the generation config's EOS ids."""
-    ids: list[int] = []
-    candidates: list[int | Iterable[int] | None] = [tokenizer.eos_token_id]
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        candidates.append(generation_config.eos_token_id)
-    for value in candidates:
-        if value is None:
-            continue
-        for token in [value] if isinstance(value, int) else value:
-            if int(token) not in ids:
-                ids.append(int(token))
-    return ids
 
 
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -268,6 +94,12 @@ class HFRolloutEngine(RolloutEngine):
     step from the micro-batch's stream whether or not others finished, so both loops sample
     the same tokens (up to float rounding of batch-size dependent kernels).
 
+    ``fast_decode`` (default ``FAST_DECODE``) decodes plain float32 CPU Llama models with
+    ``LlamaDecoder``; ``tree_prefill`` (default ``TREE_PREFILL``) prefills distinct prompts as
+    one token trie where it pays; ``small_batch_rows`` (default
+    ``cpu_kernels.SMALL_BATCH_ROWS``; 0: off) bounds the rows of the weight-major ``nn.Linear``
+    product. Each changes speed only, not the function sampled.
+
     ``last_stats`` describes the latest generate(): ``prefill_s``, ``decode_s`` (seconds),
     ``prefill_rows`` (distinct prompts prefilled), ``prefill_tokens`` (the positions pushed
     through prefill forwards: their real tokens, or the trie's nodes; padding not counted),
@@ -287,6 +119,9 @@ class HFRolloutEngine(RolloutEngine):
         seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
         remove_finished: bool = True,
+        fast_decode: bool | None = None,
+        tree_prefill: bool | None = None,
+        small_batch_rows: int | None = None,
     ) -> None:
         if cfg.max_response_length < 1:
             raise ValueError(
@@ -300,6 +135,11 @@ class HFRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.remove_finished = remove_finished
+        self.fast_decode = FAST_DECODE if fast_decode is None else fast_decode
+        self.tree_prefill = TREE_PREFILL if tree_prefill is None else tree_prefill
+        self.small_batch_rows = (
+            cpu_kernels.SMALL_BATCH_ROWS if small_batch_rows is None else small_batch_rows
+        )
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         eos = eos_token_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
@@ -308,7 +148,7 @@ class HFRolloutEngine(RolloutEngine):
         self.generator.manual_seed(seed)
         self._keeps_last_logits = _accepts_logits_to_keep(model)
         self._cache_keyword = cache_keyword(model)
-        self._tree_prefill = (
+        self._trie_fits = (
             self._keeps_last_logits
             and tree_unsupported(model) is None
             and model.device.type == "cpu"
@@ -394,8 +234,8 @@ class HFRolloutEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), weight_major_linears(self.model):
-                decoder = LlamaDecoder.for_model(self.model) if FAST_DECODE else None
+            with torch.inference_mode(), weight_major_linears(self.model, self.small_batch_rows):
+                decoder = LlamaDecoder.for_model(self.model) if self.fast_decode else None
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
                     plan = None
@@ -468,7 +308,7 @@ class HFRolloutEngine(RolloutEngine):
         layer's keys/values are gathered into ``cache`` row by row along each prompt's path,
         left-padded like ``ids``. Returns the (m, V) next-token logits and the nodes run, or
         None where the trie does not pay or the model or cache cannot take it."""
-        if not (TREE_PREFILL and self._tree_prefill and len(ids) > 1):
+        if not (self.tree_prefill and self._trie_fits and len(ids) > 1):
             return None
         if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
             return None
@@ -593,42 +433,6 @@ class HFRolloutEngine(RolloutEngine):
         rollout_log_probs = torch.cat([p[1][:, :width] for p in parts])
         real = (torch.arange(width, device=ids.device)[None] < lengths[:, None]).long()
         return assemble_rollout_batch(prompts, responses, rollout_log_probs, real)
-
-
-def sampling_params_of(
-    cfg: RolloutConfig, *, greedy: bool = False, temperature: float | None = None
-) -> SamplingParams:
-    """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
-    temperature = cfg.temperature if temperature is None else float(temperature)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    return SamplingParams(
-        temperature=temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        max_new_tokens=cfg.max_response_length,
-        greedy=greedy or temperature == 0,
-    )
-
-
-def cache_keyword(model: nn.Module) -> str:
-    """The forward keyword that takes a KV cache: ``cache`` where transformers renamed
-    ``past_key_values`` (the old name then warns on every call), else ``past_key_values``. The
-    nearest class whose ``forward`` names either decides (a subclass forwarding ``**kwargs`` to
-    its parent's forward defers to the parent); a peft model passes it on to its base model,
-    whose forward decides."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model):
-        model = get_base_model()
-    for cls in type(model).__mro__:
-        forward = cls.__dict__.get("forward")
-        if forward is None:
-            continue
-        names = inspect.signature(forward).parameters
-        for name in ("cache", "past_key_values"):
-            if name in names:
-                return name
-    return "past_key_values"
 
 
 def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:

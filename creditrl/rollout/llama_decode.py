@@ -5,7 +5,7 @@ At a decode step of SmolLM2-135M with 16 rows, transformers' forward spent ~125 
 mask building, cache and output bookkeeping). ``LlamaDecoder.step`` computes the same
 function with fused ``rms_norm``, one product for q/k/v and one for gate/up (weights
 concatenated once per ``generate`` call, since the actor's weights change between calls), an
-additive mask built once a step, and the weight-major product layout of ``hf_engine``: ~99 ms
+additive mask built once a step, and the weight-major product of ``cpu_kernels``: ~99 ms
 against ~124 ms a step, median of 4 alternations of 40 steps on the 2-core dev box; logits
 within 5e-5 of transformers' (``tests/test_rollout.py`` pins samples and log-probs);
 ``benchmarks/bench_rollout.py`` ours-full: 11.09 s against 13.42 s before. It writes into the
@@ -28,23 +28,18 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
+from creditrl.rollout.cpu_kernels import WEIGHT_MAJOR_ROWS, weight_major_product
+
 __all__ = ["LlamaDecoder"]
 
-_WEIGHT_MAJOR_ROWS = 64  # rows up to which (W @ x^T)^T is used (see hf_engine)
 HEAD_CHUNK_ROWS = 2048  # LM-head weight rows per product (0: one product)
 
 
-def _project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x (m, in) @ weight^T, in the weight-major layout for few rows."""
-    if x.shape[0] <= _WEIGHT_MAJOR_ROWS:
-        return torch.mm(weight, x.t()).t()
-    return F.linear(x, weight)
-
-
 def _project_head(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``_project`` in blocks of ``HEAD_CHUNK_ROWS`` weight rows, written into one output."""
-    if not HEAD_CHUNK_ROWS or x.shape[0] > _WEIGHT_MAJOR_ROWS:
-        return _project(weight, x)
+    """``weight_major_product`` in blocks of ``HEAD_CHUNK_ROWS`` weight rows, written into one
+    output."""
+    if not HEAD_CHUNK_ROWS or x.shape[0] > WEIGHT_MAJOR_ROWS:
+        return weight_major_product(weight, x)
     out = x.new_empty((weight.shape[0], x.shape[0]))
     for block, rows in zip(weight.split(HEAD_CHUNK_ROWS), out.split(HEAD_CHUNK_ROWS), strict=True):
         torch.mm(block, x.t(), out=rows)
@@ -125,7 +120,7 @@ class LlamaDecoder:
         ):
             # contiguous: the weight-major product is row-strided, and a query whose last
             # dimension is strided sends SDPA to its math kernel (~1.4x slower here)
-            projected = _project(qkv, F.rms_norm(x, (x.shape[-1],), norm_in, self.eps))
+            projected = weight_major_product(qkv, F.rms_norm(x, (x.shape[-1],), norm_in, self.eps))
             projected = projected.contiguous()
             q = projected[:, :q_width].reshape(rows, heads, 1, dim)
             k = projected[:, q_width : q_width + kv_width].reshape(rows, kv_heads, 1, dim)
@@ -133,9 +128,11 @@ class LlamaDecoder:
             keys, values = layer.update(_rotate(k, cos, sin), v)
             grouped = _rotate(q, cos, sin).reshape(rows, kv_heads, heads // kv_heads, dim)
             attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            x = x + _project(out, attended.reshape(rows, q_width))
-            hidden = _project(gate_up, F.rms_norm(x, (x.shape[-1],), norm_post, self.eps))
+            x = x + weight_major_product(out, attended.reshape(rows, q_width))
+            hidden = weight_major_product(
+                gate_up, F.rms_norm(x, (x.shape[-1],), norm_post, self.eps)
+            )
             half = hidden.shape[-1] // 2
-            x = x + _project(down, F.silu(hidden[:, :half]) * hidden[:, half:])
+            x = x + weight_major_product(down, F.silu(hidden[:, :half]) * hidden[:, half:])
         x = F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.eps)
         return _project_head(self.model.lm_head.weight, x)

@@ -12,13 +12,33 @@ The sampling distribution at one decode step, for a row of logits ``z`` (V,):
 kept ones are renormalised. This is what ``rollout_log_probs`` records (float32). Greedy
 decoding takes ``argmax z`` and records ``log_softmax(z)[argmax]``: the log-prob under the
 unscaled, unfiltered model distribution.
+
+``SamplingParams`` (built by ``sampling_params_of`` from the rollout config) and
+``eos_token_ids_of`` are the settings both engines (``hf``, ``vllm``) sample with.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["counter_uniforms", "filter_logits", "inverse_cdf_sample", "sample_next_tokens"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from creditrl.config.schema import RolloutConfig
+
+__all__ = [
+    "SamplingParams",
+    "counter_uniforms",
+    "eos_token_ids_of",
+    "filter_logits",
+    "inverse_cdf_sample",
+    "sample_next_tokens",
+    "sampling_params_of",
+]
 
 _MASK64 = (1 << 64) - 1
 _BLOCK = 256  # tokens per block of inverse_cdf_sample's two-level search
@@ -146,3 +166,46 @@ def sample_next_tokens(
     tokens, totals = inverse_cdf_sample(weights, uniforms, with_totals=True)
     chosen = filtered.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
     return tokens, (chosen.double() - totals.log()).float()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generate() call's settings. ``greedy`` ignores temperature, top-k and top-p."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    greedy: bool
+
+
+def sampling_params_of(
+    cfg: RolloutConfig, *, greedy: bool = False, temperature: float | None = None
+) -> SamplingParams:
+    """Settings from the config; ``temperature`` overrides it, 0 (or ``greedy``) is greedy."""
+    temperature = cfg.temperature if temperature is None else float(temperature)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_response_length,
+        greedy=greedy or temperature == 0,
+    )
+
+
+def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS plus the generation config's EOS ids."""
+    ids: list[int] = []
+    candidates: list[int | Iterable[int] | None] = [tokenizer.eos_token_id]
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        candidates.append(generation_config.eos_token_id)
+    for value in candidates:
+        if value is None:
+            continue
+        for token in [value] if isinstance(value, int) else value:
+            if int(token) not in ids:
+                ids.append(int(token))
+    return ids

@@ -72,7 +72,7 @@ from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import ConfigError
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
-from creditrl.rollout.hf_engine import SamplingParams, eos_token_ids_of, sampling_params_of
+from creditrl.rollout.sampling import SamplingParams, eos_token_ids_of, sampling_params_of
 
 __all__ = [
     "LOGPROBS_MODE",
@@ -611,7 +611,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def sampling_params(
         self, *, greedy: bool = False, temperature: float | None = None
     ) -> SamplingParams:
-        """See ``creditrl.rollout.hf_engine.sampling_params_of``."""
+        """See ``creditrl.rollout.sampling.sampling_params_of``."""
         return sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
 
     def generate(
