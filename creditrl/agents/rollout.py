@@ -121,8 +121,29 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
     }
     for status in TOOL_STATUSES[1:]:
         metrics[f"tools/status/{status}"] = float(statuses[status])
-    for reason in STOP_REASONS:
+    for reason in (*STOP_REASONS, *sorted(set(stops) - set(STOP_REASONS) - {"None"})):
         metrics[f"agent/stop_{reason}"] = stops[reason] / size
+    metrics.update(_program_metrics(batch, infos))
+    return metrics
+
+
+def _program_metrics(batch: Batch, infos: list[dict[str, Any]]) -> dict[str, float]:
+    """For ``agent.program`` batches: ``agent/episodes_<status>`` counts, the share of
+    trajectories whose requests drifted from the recorded ids
+    (``tokenization/endpoint_drift_rate``), those whose history was rewritten
+    (``tokenization/endpoint_rewritten``), and the endpoint's ``endpoint/*`` counters."""
+    if not any("episode" in info for info in infos):
+        return {}
+    size = max(len(infos), 1)
+    episodes = Counter(str(info.get("episode")) for info in infos)
+    metrics = {f"agent/episodes_{status}": float(count) for status, count in episodes.items()}
+    drifted = sum(bool(info.get("endpoint_drift")) for info in infos)
+    metrics["tokenization/endpoint_drift_rate"] = drifted / size
+    metrics["tokenization/endpoint_rewritten"] = float(
+        sum(info.get("stop_reason") == "rewritten" for info in infos)
+    )
+    for key, value in (batch.meta.get("endpoint") or {}).items():
+        metrics[f"endpoint/{key}"] = float(value)
     return metrics
 
 

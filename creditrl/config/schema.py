@@ -537,6 +537,16 @@ class AgentConfig:
     """Samples per batch checked for tokenization drift; 0: off."""
     keep_kv_cache: bool = True
     """HF engine: keep each sample's KV cache between turns (prefill only new tokens)."""
+    program: str | None = None
+    """Your agent, 'file.py:name': async fn(row, client) per trajectory on creditrl's endpoint."""
+    max_concurrent_episodes: int = field(default=16, metadata=meta(range=AT_LEAST_1))
+    """agent.program: episodes running at once."""
+    episode_timeout_s: float = field(default=300.0, metadata=meta(range=POSITIVE))
+    """agent.program: seconds one episode may take, then it is scored reward.fallback_score."""
+    endpoint_host: str = "127.0.0.1"
+    """agent.program: the address the OpenAI-compatible endpoint binds (loopback by default)."""
+    endpoint_port: int = field(default=0, metadata=meta(range=PORT))
+    """agent.program: the endpoint's port; 0: a free one."""
 
 
 @dataclass

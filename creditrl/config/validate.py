@@ -203,6 +203,8 @@ def _check_batches(cfg: Config, section: str) -> None:
 
 def _check_combinations(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
+    if cfg.agent.program is not None and not cfg.agent.enable:
+        raise ConfigError("agent.program needs agent.enable=true (it runs multi-turn episodes)")
     _check_batches(cfg, "actor")
     if uses_critic(cfg) and _estimator(cfg) is not None:
         _check_batches(cfg, "critic")
@@ -273,6 +275,16 @@ def validate_config(cfg: Config) -> None:
 
 
 # (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
+PROGRAM_KEYS = tuple(
+    f"agent.{k}"
+    for k in ("max_concurrent_episodes", "episode_timeout_s", "endpoint_host", "endpoint_port")
+)
+BUILT_IN_LOOP_KEYS = tuple(
+    f"agent.{k}"
+    for k in ("max_turns", "tools", "tool_config", "tool_timeout_s", "max_parallel_calls",
+              "max_calls_per_turn", "tool_output_max_chars", "truncate_side", "reward_manager",
+              "reward_distribution")
+)  # fmt: skip
 UnusedRule = tuple[
     Callable[[Config], bool],
     tuple[str, ...] | Callable[[Config], tuple[str, ...]],
@@ -285,6 +297,16 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
     ),
     (lambda c: not c.agent.enable, ("agent.",), lambda c: "agent.enable=false"),
+    (
+        lambda c: c.agent.enable and c.agent.program is None,
+        PROGRAM_KEYS,
+        lambda c: "agent.program is not set (these are its settings)",
+    ),
+    (
+        lambda c: c.agent.enable and c.agent.program is not None,
+        BUILT_IN_LOOP_KEYS,
+        lambda c: "agent.program runs its own loop and tools (these are the built-in loop's)",
+    ),
     (
         lambda c: bool(c.data.train_files) or c.agent.enable,
         ("data.few_shot",),

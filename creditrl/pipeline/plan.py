@@ -14,8 +14,10 @@ __all__ = ["Plan", "structured_reward"]
 
 def structured_reward(cfg: Config) -> bool:
     """The run scores with spec 001's structured reward manager (turn and global scores): an
-    agent run with ``agent.reward_manager=structured``."""
-    return cfg.agent.enable and cfg.agent.reward_manager == "structured"
+    agent run of the built-in loop with ``agent.reward_manager=structured`` (an
+    ``agent.program`` run is scored by its program or the rule scorers)."""
+    a = cfg.agent
+    return a.enable and a.program is None and a.reward_manager == "structured"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from creditrl.config.schema import RewardConfig
 from creditrl.core import place_sequence_scores
 from creditrl.rewards.failures import check_failure_rate, check_max_failure_rate
 from creditrl.rewards.pool import ScoringJob, ScoringPool
-from creditrl.rewards.registry import portable_spec, scorer_spec
+from creditrl.rewards.registry import PROGRAM_SCORER, portable_spec, scorer_spec
 from creditrl.rewards.text import decode_responses, prompt_messages
 
 __all__ = ["RM_MODES", "RewardFuture", "RewardManager", "RewardResult"]
@@ -207,11 +207,13 @@ class RewardManager:
             if source not in specs:
                 spec = scorer_spec(source, self.cfg.scorer)
                 specs[source] = portable_spec(spec) if self.cfg.num_workers > 0 else spec
-            scorers.append((specs[source], source))
+            program = isinstance(infos[i], Mapping) and "program_reward" in infos[i]
+            spec = PROGRAM_SCORER if program else specs[source]
+            scorers.append((spec, source))
             request_id = next(_ids)
             request = {
                 "id": request_id,
-                "scorer": specs[source],
+                "scorer": spec,
                 "scorer_kwargs": kwargs,
                 "data_source": source,
                 "solution_str": text,

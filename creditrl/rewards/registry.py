@@ -24,6 +24,7 @@ from creditrl.usercode import is_code_spec, load_user_object
 
 __all__ = [
     "BUILTIN_SCORERS",
+    "PROGRAM_SCORER",
     "SCORERS",
     "SCORER_CALL",
     "SCORER_SIGNATURE",
@@ -37,11 +38,14 @@ __all__ = [
 ]
 
 Scorer = Callable[..., float | dict[str, Any]]
+# scores a row whose extra_info carries the reward its agent.program episode returned
+PROGRAM_SCORER = "creditrl_program_reward"
 
 BUILTIN_SCORERS: dict[str, Scorer] = {
     "reasoning_gym": scorers.reasoning_gym_score,
     "gsm8k": scorers.gsm8k_score,
     "math": scorers.math_score,
+    PROGRAM_SCORER: scorers.program_reward_score,
 }
 SCORERS: dict[str, Scorer] = dict(BUILTIN_SCORERS)
 SCORER_SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"

@@ -19,6 +19,7 @@ __all__ = [
     "extract_answer",
     "gsm8k_score",
     "math_score",
+    "program_reward_score",
     "reasoning_gym_score",
     "think_answer_format_ok",
 ]
@@ -202,3 +203,13 @@ def math_score(
         "score": correct_score if correct else wrong_score,
         "extracted_answer": str(pred[-1]) if pred else None,
     }
+
+
+def program_reward_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **_: Any
+) -> float | dict:
+    """The reward an ``agent.program`` episode returned (``extra_info["program_reward"]``, set
+    by ``creditrl.agents.program``): a float or a scorer dict with "score"."""
+    if not extra_info or "program_reward" not in extra_info:
+        raise ValueError("this sample has no program_reward in its extra_info")
+    return extra_info["program_reward"]

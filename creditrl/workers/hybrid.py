@@ -217,7 +217,17 @@ class HybridWorker:
             lora=lora,
         )
         self.engine = self.rollout = build_rollout_engine(args)
-        if cfg.agent.enable:
+        if cfg.agent.enable and cfg.agent.program is not None:
+            from creditrl.agents.program import ProgramRollout
+
+            self.rollout = ProgramRollout(
+                self.engine,
+                self.tokenizer,
+                cfg.agent,
+                cfg.rollout,
+                fallback_score=cfg.reward.fallback_score,
+            )
+        elif cfg.agent.enable:
             from creditrl.agents.rollout import AgentRollout
 
             self.rollout = AgentRollout(self.engine, self.tokenizer, cfg.agent, cfg.rollout)
