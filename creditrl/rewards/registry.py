@@ -45,7 +45,6 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     "reasoning_gym": scorers.reasoning_gym_score,
     "gsm8k": scorers.gsm8k_score,
     "math": scorers.math_score,
-    PROGRAM_SCORER: scorers.program_reward_score,
 }
 SCORERS: dict[str, Scorer] = dict(BUILTIN_SCORERS)
 SCORER_SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
@@ -123,6 +122,8 @@ def scorer_spec(data_source: str, override: str | None = None) -> str:
 
 def get_scorer(data_source: str, override: str | None = None) -> Scorer:
     """The scorer function for ``data_source`` (see ``scorer_spec`` for the lookup order)."""
+    if override == PROGRAM_SCORER:  # not a data_source scorer: only the manager names it
+        return scorers.program_reward_score
     spec = scorer_spec(data_source, override)
     return SCORERS[spec] if spec in SCORERS else load_scorer_file(spec)
 
