@@ -88,6 +88,9 @@ def _check_scorers(cfg: Config, sources: Sources) -> None:
     structured = structured_reward(cfg)
     if not structured and reward.reward_model.enable and reward.reward_model.mode == "replace":
         return  # the reward model alone scores; no rule scorer runs
+    if cfg.agent.enable and cfg.agent.program is not None and not reward.scorer:
+        return  # the program may return every reward; a row it leaves unscored and no scorer
+        # takes fails its sample at scoring (counted, reward.max_failure_rate applies)
     in_workers = not structured and reward.num_workers > 0
     if reward.scorer:
         spec = scorer_spec("", reward.scorer)

@@ -204,10 +204,10 @@ class RewardManager:
         lines = []
         for i, (source, text) in enumerate(zip(sources, texts, strict=True)):
             source = str(source)
-            if source not in specs:
+            program = isinstance(infos[i], Mapping) and "program_reward" in infos[i]
+            if not program and source not in specs:
                 spec = scorer_spec(source, self.cfg.scorer)
                 specs[source] = portable_spec(spec) if self.cfg.num_workers > 0 else spec
-            program = isinstance(infos[i], Mapping) and "program_reward" in infos[i]
             spec = PROGRAM_SCORER if program else specs[source]
             scorers.append((spec, source))
             request_id = next(_ids)
