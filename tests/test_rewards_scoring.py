@@ -612,3 +612,17 @@ def test_manager_combines_reward_model(rm_dir: Path, tok) -> None:
         replaced = manager(batch)
     assert replaced.scores.tolist() == pytest.approx(rm_only)
     assert math.isclose(replaced.metrics["reward/rm_score_mean"], sum(rm_only) / 2, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_program_rewards_need_no_data_source_scorer(tok, workers) -> None:
+    """Rows an agent.program scored (``extra_info["program_reward"]``, a float or a scorer
+    dict) are scored by it, in worker processes or in this one, even for a data_source no
+    scorer is registered for (before: a DataError before any row was scored)."""
+    cfg = RewardConfig(num_workers=workers, timeout_s=30.0)
+    infos = [{"program_reward": 0.75}, {"program_reward": {"score": -1.0, "turns": 2}}]
+    with RewardManager(cfg, tok) as manager:
+        result = manager(make_batch(tok, ["a", "b"], [None, None], "calc_multiturn", infos))
+    assert result.scores.tolist() == [0.75, -1.0]
+    assert result.extra["reward_status"] == ["ok", "ok"]
+    assert result.extra["turns"] == [None, 2]
