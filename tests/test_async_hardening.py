@@ -619,3 +619,24 @@ def test_the_buffer_limit_leaves_room_for_every_honest_group(learner) -> None:
     assert learner.buffer_limit == max(groups, 2 * cfg.data.train_batch_size) * largest
     honest = decode(episodes_message("h0", 0, make_group(learner.actor.model, "h0", 0, 0)))
     assert honest.nbytes < largest
+
+
+def test_a_group_sampled_at_another_temperature_is_refused(learner) -> None:
+    """The temperature a group was sampled at (its meta, written by the sampler's pipeline)
+    must be the learner's rollout.temperature: its behaviour log-probs are of that
+    distribution, and the learner's log-prob passes divide by it. Refused "temperature"."""
+    model = learner.actor.model
+    sock = SamplerSocket(learner.cfg.asynchronous, "temp0", port=learner.socket.port)
+    try:
+        group = make_group(model, "temp0", 0, 0)
+        group.meta["temperature"] = learner.cfg.rollout.temperature + 0.5
+        assert sock.send(episodes_message("temp0", 0, group), timeout_s=5)
+        assert learner._receive(5.0) == 0
+        assert _acks(sock) == [{"seq": 0, "status": "rejected", "reason": "temperature"}]
+        same = make_group(model, "temp0", 1, 0)
+        same.meta["temperature"] = learner.cfg.rollout.temperature
+        assert sock.send(episodes_message("temp0", 1, same), timeout_s=5)
+        assert learner._receive(5.0) == 1
+    finally:
+        sock.close()
+        learner.buffer.take(len(learner.buffer))

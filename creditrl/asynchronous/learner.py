@@ -174,6 +174,7 @@ class Learner:
             max_prompt=cfg.data.max_prompt_length,
             max_response=cfg.rollout.max_response_length,
             optional=frozenset(name for name, sent in optional.items() if sent),
+            temperature=cfg.rollout.temperature,
         )
         self.kl_ctrl = self.pipeline.kl_ctrl
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)

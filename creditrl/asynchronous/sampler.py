@@ -53,7 +53,12 @@ from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.data import ResumableSampler, collate_prompts
 from creditrl.pipeline import stages
-from creditrl.pipeline.step import StepPipeline, build_reward_manager, build_run_datasets
+from creditrl.pipeline.step import (
+    StepPipeline,
+    build_reward_manager,
+    build_run_datasets,
+    sampled_temperature,
+)
 from creditrl.tracking import Timer, Tracker
 from creditrl.workers.hybrid import HybridWorker
 
@@ -150,7 +155,7 @@ class Sampler:
         if self.with_ref:
             with Timer("ref", timing):
                 batch = batch.union(
-                    self.worker.compute_ref_log_prob(batch, self.cfg.rollout.temperature)
+                    self.worker.compute_ref_log_prob(batch, sampled_temperature(batch, self.cfg))
                 )
         del batch["sample_seed"]  # the learner never samples
         groups = [

@@ -63,6 +63,8 @@ REASONS = {
     "non_tensor": "a non-tensor column or meta entry has the wrong type",
     "version": "the group claims a weight version the learner has not published yet",
     "error": "the learner failed on the group before it joined a batch (logged with traceback)",
+    "temperature": "the group was sampled at another temperature than the learner's "
+    "rollout.temperature (its log-probs would be of another distribution)",
     "buffer_full": "the group would take the learner's buffered groups past their byte limit "
     "(not counted toward asynchronous.max_rejects)",
 }
@@ -292,13 +294,15 @@ def check_payload(
 @dataclass(frozen=True)
 class GroupLimits:
     """What this learner accepts: ``n`` answers per group, widths up to ``max_prompt`` and
-    ``max_response``, token ids below ``vocab_size``, exactly the ``optional`` tensors."""
+    ``max_response``, token ids below ``vocab_size``, exactly the ``optional`` tensors, and
+    (when given) groups sampled at ``temperature``."""
 
     n: int
     vocab_size: int
     max_prompt: int
     max_response: int
     optional: frozenset[str] = frozenset()
+    temperature: float | None = None
 
     def check(self, group: Batch, sampler_id: str, seq: int, version: int, current: int) -> None:
         """MessageError unless group ``seq`` (sampled by weight ``version``; the learner is at
@@ -334,4 +338,11 @@ class GroupLimits:
         if version > current:
             raise MessageError(
                 f"{where} claims weight version {version} > the learner's {current}", "version"
+            )
+        sampled = group.meta.get("temperature")
+        if self.temperature is not None and sampled is not None and sampled != self.temperature:
+            raise MessageError(
+                f"{where} was sampled at temperature {sampled}; this learner trains at "
+                f"rollout.temperature={self.temperature}",
+                "temperature",
             )

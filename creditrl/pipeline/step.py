@@ -36,7 +36,15 @@ __all__ = [
     "build_run_datasets",
     "rollout_log_probs_are_actors",
     "rollout_log_probs_reusable",
+    "sampled_temperature",
 ]
+
+
+def sampled_temperature(batch: Batch, cfg: Config) -> float:
+    """The temperature ``batch`` was sampled at (``meta["temperature"]``, written by
+    ``StepPipeline.generate``), which every log-prob pass and the update divide the logits by;
+    ``rollout.temperature`` for a batch that does not say."""
+    return float(batch.meta.get("temperature", cfg.rollout.temperature))
 
 
 def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
@@ -114,7 +122,7 @@ class StepPipeline:
             tokens += total if last_step == step and total is not None else 0
         self.prefill = (step, tokens)
         batch.meta.update(
-            temperature=self.cfg.rollout.temperature,
+            temperature=kwargs.get("temperature") or self.cfg.rollout.temperature,
             max_response_length=self.cfg.rollout.max_response_length,
             eos_token_id=self.tokenizer.eos_token_id,
             step=step,
@@ -162,10 +170,10 @@ class StepPipeline:
             batch["old_log_probs"] = batch["rollout_log_probs"].clone()
             return batch
         if keep is None or not bool(keep.any()):
-            new = self.workers.compute_log_prob(batch, self.cfg.rollout.temperature)
+            new = self.workers.compute_log_prob(batch, sampled_temperature(batch, self.cfg))
             return batch.union(new)
         rows = (~keep).nonzero().flatten()
-        new = self.workers.compute_log_prob(batch[rows], self.cfg.rollout.temperature)
+        new = self.workers.compute_log_prob(batch[rows], sampled_temperature(batch, self.cfg))
         old = batch["rollout_log_probs"].clone()
         old[rows] = new["old_log_probs"].to(old.dtype)
         batch["old_log_probs"] = old
@@ -187,7 +195,7 @@ class StepPipeline:
         if plan.needs_ref and "ref_log_prob" not in batch:
             with Timer("ref", timing):
                 batch = batch.union(
-                    self.workers.compute_ref_log_prob(batch, cfg.rollout.temperature)
+                    self.workers.compute_ref_log_prob(batch, sampled_temperature(batch, cfg))
                 )
         if plan.needs_critic:
             with Timer("values", timing):
@@ -199,7 +207,7 @@ class StepPipeline:
                 metrics.update(self.workers.update_critic(batch))
         if update_actor:
             with Timer("update_actor", timing):
-                metrics.update(self.workers.update_actor(batch, cfg.rollout.temperature))
+                metrics.update(self.workers.update_actor(batch, sampled_temperature(batch, cfg)))
         return batch, metrics
 
     def advantages(self, batch: Batch) -> dict[str, float]:
