@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engines import tiny_config
+from helpers import tiny_engine_config
 
 from creditrl.batch import Batch
 from creditrl.errors import ConfigError, UserCodeError
@@ -35,7 +35,7 @@ def prompts_of(worker: HybridWorker) -> Batch:
 
 
 def program_config(tmp_path: Path, name: str, *extra: str):
-    return tiny_config(
+    return tiny_engine_config(
         tmp_path, "agent.enable=true", f"agent.program={PROGRAMS}:{name}",
         "rollout.max_response_length=24", "reward.num_workers=0", *extra,
     )  # fmt: skip
@@ -190,7 +190,7 @@ def test_two_training_steps_with_a_program(tmp_path: Path) -> None:
 
 def test_program_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"agent\.program needs agent\.enable=true"):
-        tiny_config(tmp_path, f"agent.program={PROGRAMS}:two_turns")
+        tiny_engine_config(tmp_path, f"agent.program={PROGRAMS}:two_turns")
     with pytest.raises(UserCodeError, match=r"is not an async function"):
         HybridWorker(program_config(tmp_path, "not_async"))
     assert asyncio  # the programs run on the endpoint's event loop

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers import model_group as make_group
+from helpers import tiny_learner_config
 from rich.console import Console
-from test_async_learner import make_group, tiny_config
 
 from creditrl.asynchronous.launcher import free_port, start_child, supervise
 from creditrl.asynchronous.learner import Learner
@@ -51,7 +52,7 @@ RUN = [
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """A learner (tiny model, rollout.n=2, 2 groups a step) behind a real socket on loopback."""
-    cfg = tiny_config(tmp_path_factory.mktemp("learner"), *RUN)
+    cfg = tiny_learner_config(tmp_path_factory.mktemp("learner"), *RUN)
     learner = Learner(cfg)
     learner.socket = LearnerSocket(cfg.asynchronous, 0, max_message_bytes(cfg))
     yield learner
@@ -322,12 +323,12 @@ def test_learner_survives_a_frame_over_its_limit(learner) -> None:
 def test_message_limit_is_sized_for_the_batch(tmp_path: Path) -> None:
     """max_message_mb=0 sizes the limit from rollout.n and the length budgets (at least
     8 MiB); a positive value is taken as MiB."""
-    small = tiny_config(tmp_path)
+    small = tiny_learner_config(tmp_path)
     assert max_message_bytes(small) == 8 << 20
-    big = tiny_config(tmp_path, "rollout.n=64", "data.max_prompt_length=2048",
-                      "rollout.max_response_length=4096")  # fmt: skip
+    big = tiny_learner_config(tmp_path, "rollout.n=64", "data.max_prompt_length=2048",
+                              "rollout.max_response_length=4096")  # fmt: skip
     assert max_message_bytes(big) == 64 * (256 * 6144 + 65536) + (1 << 20)
-    explicit = tiny_config(tmp_path, "asynchronous.max_message_mb=1.5")
+    explicit = tiny_learner_config(tmp_path, "asynchronous.max_message_mb=1.5")
     assert max_message_bytes(explicit) == 3 << 19
 
 
@@ -381,7 +382,7 @@ class RecordingSocket:
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory):
     out = tmp_path_factory.mktemp("sampler")
-    cfg = tiny_config(out, *RUN)
+    cfg = tiny_learner_config(out, *RUN)
     sampler = Sampler(cfg, 0)
     sampler.socket = RecordingSocket()
     yield sampler

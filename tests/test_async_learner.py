@@ -8,36 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import model_group, tiny_learner_config
 
 from creditrl.asynchronous.learner import Learner
-from creditrl.asynchronous.messages import decode, episodes_message, group_of
+from creditrl.asynchronous.messages import decode, episodes_message
 from creditrl.asynchronous.settings import check_async_config
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, concat_groups
 from creditrl.asynchronous.weights import WeightPublisher, WeightSubscriber, merged_state_dict
 from creditrl.batch import Batch
-from creditrl.config.loader import load_config
 from creditrl.models import apply_lora, load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.workers import policy_forward
-
-
-def tiny_config(out: Path, *extra: str):
-    return load_config(
-        overrides=[
-            f"model.path={tiny_model_dir()}",
-            "data.train_batch_size=2",
-            "rollout.n=2",
-            "rollout.temperature=1.0",
-            "actor.ppo_mini_batch_size=2",
-            "actor.ppo_micro_batch_size=4",
-            "actor.optim.lr=1e-3",
-            "actor.autocast=none",
-            "actor.shuffle=false",
-            "trainer.logger=[jsonl]",
-            f"trainer.output_dir={out}",
-            *extra,
-        ]
-    )
 
 
 class StandInSocket:
@@ -65,37 +46,6 @@ class StandInSocket:
         ]
 
 
-def make_group(
-    model, sampler_id: str, seq: int, version: int, score: tuple[float, float] = (1.0, 0.0)
-) -> Batch:
-    """A real group for ``model``: 2 answers of lengths 4 and 3 to one prompt; behaviour
-    log-probs computed by ``model`` at temperature 1."""
-    g = torch.Generator().manual_seed(seq + 100 * version)
-    p, t = 3 + seq % 3, 4
-    prompt = torch.randint(3, 40000, (1, p), generator=g).repeat(2, 1)
-    responses = torch.randint(3, 40000, (2, t), generator=g)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    responses[mask == 0] = 2
-    attention = torch.cat([torch.ones(2, p, dtype=torch.long), mask], dim=1)
-    scores = torch.zeros(2, t)
-    scores[0, 3], scores[1, 2] = score
-    batch = Batch(
-        {
-            "prompts": prompt,
-            "responses": responses,
-            "response_mask": mask,
-            "input_ids": torch.cat([prompt, responses], dim=1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "token_level_scores": scores,
-        },
-        {"uid": [f"{sampler_id}:{seq}"] * 2, "data_source": ["x"] * 2, "ground_truth": ["1"] * 2},
-    )
-    with torch.no_grad():
-        batch["rollout_log_probs"] = policy_forward(model, batch, 1.0)[0] * mask
-    return group_of(batch, sampler_id, seq, version)
-
-
 def deliver(learner: Learner, socket: StandInSocket, group: Batch) -> None:
     sampler_id, seq = group["sampler_id"][0], int(group["episode_id"][0].split(":")[1])
     learner._handle(sampler_id, decode(episodes_message(sampler_id, seq, group)))
@@ -118,7 +68,7 @@ def test_buffer_drops_beyond_max_staleness_and_takes_oldest_first() -> None:
 
 def test_concat_groups_pads_prompts_left_and_responses_right() -> None:
     model = load_causal_lm(tiny_model_dir())
-    a, b = make_group(model, "s0", 0, 0), make_group(model, "s1", 2, 0)
+    a, b = model_group(model, "s0", 0, 0), model_group(model, "s1", 2, 0)
     b = b[[0, 1]]
     b["responses"] = b["responses"][:, :3].clone()  # a group whose longest answer is 3
     for name in ("response_mask", "rollout_log_probs", "token_level_scores"):
@@ -146,14 +96,16 @@ def test_concat_groups_pads_prompts_left_and_responses_right() -> None:
 
 
 def test_learner_drops_stale_groups_dedups_and_corrects_the_rest(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path, "asynchronous.max_staleness=2", "trainer.rollout_dump_rows=4")
+    cfg = tiny_learner_config(
+        tmp_path, "asynchronous.max_staleness=2", "trainer.rollout_dump_rows=4"
+    )
     learner = Learner(cfg)
     learner.socket = socket = StandInSocket()
     learner.version = 5
     model = copy.deepcopy(learner.actor.model)
-    fresh, too_old, old_ok = (make_group(model, "s0", 0, 5), make_group(model, "s1", 0, 2),
-                              make_group(model, "s1", 1, 4))  # fmt: skip
-    from_the_future = make_group(model, "s2", 0, 9)  # a version this learner never published
+    fresh, too_old, old_ok = (model_group(model, "s0", 0, 5), model_group(model, "s1", 0, 2),
+                              model_group(model, "s1", 1, 4))  # fmt: skip
+    from_the_future = model_group(model, "s2", 0, 9)  # a version this learner never published
     for group in (fresh, too_old, old_ok, fresh, from_the_future):
         deliver(learner, socket, group)
     # 5 - 2 > 2: dropped and acknowledged at once; version 9 > 5: rejected
@@ -233,10 +185,10 @@ def test_gspo_and_grpo_loss_values_equal_hand_computation(tmp_path: Path, loss: 
     extra += ["asynchronous.old_log_probs=sampler", f"actor.policy_loss={loss}"]
     if loss == "gspo":
         extra += ["preset=gspo", "actor.clip_ratio_low=0.005", "actor.clip_ratio_high=0.01"]
-    cfg = tiny_config(tmp_path, *extra)
+    cfg = tiny_learner_config(tmp_path, *extra)
     learner = Learner(cfg)
     model = copy.deepcopy(learner.actor.model)
-    batch = make_group(model, "s0", 0, 0, score=(1.0, 0.0))
+    batch = model_group(model, "s0", 0, 0, score=(1.0, 0.0))
     new = batch["rollout_log_probs"].clone()
     mask = batch["response_mask"]
     offsets = torch.tensor([[0.1, 0.0, -0.3, 0.25], [-0.1, 0.3, 0.05, 0.0]])
@@ -263,7 +215,7 @@ def test_gspo_and_grpo_loss_values_equal_hand_computation(tmp_path: Path, loss: 
 
 
 def test_lora_learner_round_trip(tmp_path: Path) -> None:
-    cfg = tiny_config(
+    cfg = tiny_learner_config(
         tmp_path, "model.lora_rank=4", "model.lora_alpha=8", "actor.optim.lr=5e-2",
         "actor.use_kl_loss=true", "asynchronous.ref_on=learner",
     )  # fmt: skip
@@ -271,7 +223,7 @@ def test_lora_learner_round_trip(tmp_path: Path) -> None:
     learner.socket = socket = StandInSocket()
     plain = load_causal_lm(tiny_model_dir())
     for seq in range(2):
-        deliver(learner, socket, make_group(plain, "s0", seq, 0, score=(1.0, 0.0)))
+        deliver(learner, socket, model_group(plain, "s0", seq, 0, score=(1.0, 0.0)))
     learner.step = 1
     metrics = learner.train_step()
     assert metrics["actor/kl_loss"] >= 0 and "ref_log_prob" in learner.last_batch
@@ -316,4 +268,4 @@ def test_settings_the_async_pair_cannot_honour_are_named(
     tmp_path: Path, override: str, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        check_async_config(tiny_config(tmp_path, *override.split()))
+        check_async_config(tiny_learner_config(tmp_path, *override.split()))

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import synthetic_group
 
 import creditrl.asynchronous as async_pkg
 from creditrl.asynchronous.messages import (
@@ -19,49 +19,9 @@ from creditrl.asynchronous.messages import (
     decode,
     encode,
     episodes_message,
-    group_of,
 )
 from creditrl.asynchronous.transport import LearnerSocket, SamplerSocket, make_curve_keys
-from creditrl.batch import Batch
 from creditrl.config.schema import AsyncConfig
-
-
-def make_group(sampler_id: str = "s0", seq: int = 0, version: int = 0, n: int = 2) -> Batch:
-    """One synthetic group: n answers (lengths 4 and 3) to one left-padded prompt."""
-    g = torch.Generator().manual_seed(seq)
-    p, t = 5, 4
-    prompts = torch.randint(3, 1000, (n, p), generator=g)
-    prompts[:, 0] = 2
-    prompt_mask = torch.ones(n, p, dtype=torch.long)
-    prompt_mask[:, 0] = 0
-    prompts[1:] = prompts[0]
-    responses = torch.randint(3, 1000, (n, t), generator=g)
-    response_mask = torch.ones(n, t, dtype=torch.long)
-    response_mask[1:, -1] = 0
-    responses[response_mask == 0] = 2
-    attention = torch.cat([prompt_mask, response_mask], dim=1)
-    scores = torch.zeros(n, t)
-    scores[0, -1] = 1.0
-    batch = Batch(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "rollout_log_probs": -torch.rand(n, t, generator=g) * response_mask,
-            "token_level_scores": scores,
-        },
-        {
-            "uid": [f"{sampler_id}:{seq}"] * n,
-            "data_source": ["reasoning_gym/chain_sum"] * n,
-            "ground_truth": ["7"] * n,
-            "reward_extra_info": [{"answer_score": float(k == 0)} for k in range(n)],
-        },
-        {"temperature": 1.0},
-    )
-    return group_of(batch, sampler_id, seq, version)
 
 
 @pytest.fixture
@@ -76,7 +36,7 @@ def pair():
 
 def test_group_round_trip_and_ack_over_loopback(pair) -> None:
     learner, sampler = pair
-    group = make_group("s3", seq=7, version=2)
+    group = synthetic_group("s3", seq=7, version=2)
     assert sampler.send(episodes_message("s3", 7, group), timeout_s=5)
     sender, message = learner.recv(timeout_s=5)
     assert sender == "s3" and message.kind == "episodes"
@@ -109,7 +69,7 @@ def test_wire_path_never_pickles(tmp_path: Path) -> None:
         f"""
         import pickle, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_async_transport import make_group
+        from helpers import synthetic_group
         from creditrl.asynchronous.messages import episodes_message
         from creditrl.asynchronous.transport import LearnerSocket, SamplerSocket
         from creditrl.asynchronous.weights import WeightPublisher, WeightSubscriber
@@ -124,7 +84,7 @@ def test_wire_path_never_pickles(tmp_path: Path) -> None:
         cfg = AsyncConfig(port=0)
         learner = LearnerSocket(cfg)
         sampler = SamplerSocket(cfg, "s0", port=learner.port)
-        group = make_group()
+        group = synthetic_group()
         assert sampler.send(episodes_message("s0", 0, group), timeout_s=5)
         sender, message = learner.recv(timeout_s=5)
         assert message.batch.equals(group)
@@ -157,19 +117,19 @@ def test_wire_path_never_pickles(tmp_path: Path) -> None:
     ],
 )
 def test_malformed_messages_are_rejected_with_a_reason(mutate, match: str) -> None:
-    frames = episodes_message("s0", 0, make_group())
+    frames = episodes_message("s0", 0, synthetic_group())
     with pytest.raises(MessageError, match=match):
         decode(mutate(frames))
 
 
 def test_group_content_is_checked() -> None:
-    group = make_group()
+    group = synthetic_group()
     group["rollout_log_probs"] = group["rollout_log_probs"].clone()
     group["rollout_log_probs"][0, 0] = float("nan")
     with pytest.raises(MessageError, match="non-finite"):
         decode(episodes_message("s0", 0, group))
-    frames = episodes_message("s0", 0, make_group())
-    mixed = make_group()
+    frames = episodes_message("s0", 0, synthetic_group())
+    mixed = synthetic_group()
     mixed["uid"] = ["s0:0", "s0:other"]
     with pytest.raises(MessageError, match="several uids"):
         decode([PROTOCOL, frames[1], mixed.to_bytes()])

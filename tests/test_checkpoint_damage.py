@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, tiny_learner_config, tiny_trainer_config
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from test_async_learner import tiny_config as learner_config
-from test_trainer import read_metrics, tiny_config
 from torch import nn
 from transformers import GenerationConfig, LlamaForCausalLM
 
@@ -300,7 +299,7 @@ def test_prepare_output_dir_refuses_or_moves_a_previous_run(
 def two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step run with checkpoints at steps 1 and 2."""
     out = tmp_path_factory.mktemp("base") / "run"
-    RLTrainer(tiny_config(out)).fit()
+    RLTrainer(tiny_trainer_config(out)).fit()
     return out
 
 
@@ -314,7 +313,7 @@ def test_trainer_resumes_past_a_truncated_model_file(
     model = out / "checkpoints" / "step_000002" / "actor.model.safetensors"
     size = model.stat().st_size
     truncate(model, 64)
-    trainer = RLTrainer(tiny_config(out))
+    trainer = RLTrainer(tiny_trainer_config(out))
     trainer.fit()
     assert trainer.step == 2
     assert warnings(caplog) == [
@@ -337,10 +336,10 @@ def test_resume_never_into_a_used_dir_refuses_and_overwrite_starts_over(
     shutil.copytree(two_steps, out)
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match=r"trainer.output_dir=.* already holds a run"):
-        RLTrainer(tiny_config(out, "trainer.resume=never"))
+        RLTrainer(tiny_trainer_config(out, "trainer.resume=never"))
     assert (out / "metrics.jsonl").read_text() == before
-    RLTrainer(tiny_config(out, "trainer.resume=never", "trainer.overwrite=true",
-                          "trainer.total_steps=1")).fit()  # fmt: skip
+    RLTrainer(tiny_trainer_config(out, "trainer.resume=never", "trainer.overwrite=true",
+                                  "trainer.total_steps=1")).fit()  # fmt: skip
     assert sorted(read_metrics(out)) == [0, 1]
     assert (out / "checkpoints" / "latest").read_text() == "step_000001"
     [aside] = (out / "overwritten").iterdir()
@@ -353,7 +352,7 @@ def test_rerun_after_a_kill_before_the_first_checkpoint_logs_each_step_once(
 ) -> None:
     """Killed at step 2 with no checkpoint yet, the rerun starts from step 0 and metrics.jsonl
     holds steps 0, 1, 2 once each (the old code kept the first attempt's rows: 0, 1, 0, 1, 2)."""
-    cfg = tiny_config(tmp_path, "trainer.save_freq=0")
+    cfg = tiny_trainer_config(tmp_path, "trainer.save_freq=0")
     step = RLTrainer.train_step
 
     def killed_at_two(self: RLTrainer) -> dict:
@@ -383,10 +382,10 @@ def test_learner_resume_skips_a_damaged_checkpoint_and_reruns_start_clean(
     file resumes from the previous one (logged once), and a learner rerun without any
     checkpoint drops the earlier attempt's metrics rows."""
     out = tmp_path / "learner"
-    learner = Learner(learner_config(out))
+    learner = Learner(tiny_learner_config(out))
     learner.tracker.log({"x": 1.0}, step=1)
     learner.tracker.close()
-    rerun = Learner(learner_config(out))
+    rerun = Learner(tiny_learner_config(out))
     assert rerun.maybe_resume() is False
     rerun.tracker.close()
     assert (out / "metrics.jsonl").read_text() == ""
@@ -394,7 +393,7 @@ def test_learner_resume_skips_a_damaged_checkpoint_and_reruns_start_clean(
         rerun.step = step
         rerun.save_checkpoint()
     (out / "checkpoints" / "step_000002" / "actor.model.safetensors").unlink()
-    resumed = Learner(learner_config(out))
+    resumed = Learner(tiny_learner_config(out))
     assert resumed.maybe_resume() is True and resumed.step == 1
     resumed.tracker.close()
     assert warnings(caplog) == [
@@ -402,7 +401,7 @@ def test_learner_resume_skips_a_damaged_checkpoint_and_reruns_start_clean(
         "step_000001"
     ]
     with pytest.raises(ConfigError, match="already holds a run"):
-        Learner(learner_config(out, "trainer.resume=never"))
+        Learner(tiny_learner_config(out, "trainer.resume=never"))
 
 
 # ---- tensors that do not fit the model ---------------------------------------------------------
@@ -699,9 +698,9 @@ def test_cli_resuming_a_checkpoint_of_another_model_is_one_line(
     and one line naming the checkpoint, the first tensor and both shapes (the old code ended
     in torch's traceback listing every size mismatch)."""
     out = tmp_path / "run"
-    RLTrainer(tiny_config(out, f"model.path={narrow_model}", "trainer.total_steps=1")).fit()
+    RLTrainer(tiny_trainer_config(out, f"model.path={narrow_model}", "trainer.total_steps=1")).fit()
     config = tmp_path / "run.yaml"
-    save_resolved_config(tiny_config(out), config)
+    save_resolved_config(tiny_trainer_config(out), config)
     capsys.readouterr()
     assert cli.main(["train", str(config)]) == 2
     assert error_lines(capsys) == [
@@ -724,7 +723,7 @@ def test_trainer_resumes_past_a_checkpoint_rewritten_with_other_shapes(
         MODEL,
         lambda t: {**t, "model.norm.weight": torch.ones(32)},
     )
-    trainer = RLTrainer(tiny_config(out))
+    trainer = RLTrainer(tiny_trainer_config(out))
     trainer.fit()
     assert trainer.step == 2
     assert warnings(caplog) == [
@@ -741,7 +740,7 @@ def test_cli_full_disk_during_a_save_stops_the_run_with_one_line(
     line naming the directory and the checkpoint it can resume from; step 1 is intact."""
     out = tmp_path / "run"
     config = tmp_path / "run.yaml"
-    save_resolved_config(tiny_config(out), config)
+    save_resolved_config(tiny_trainer_config(out), config)
     real = checkpoint_module.save_file
 
     def fills_at_step_two(tensors: dict, path: str, *args, **kwargs) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import refused
 from rich.highlighter import ReprHighlighter
-from test_config_validation import refused
 
 from creditrl.cli import main
 from creditrl.config.limits import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_NODES

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TinyCritic, padded_actor_batch, padded_batch, refused, tiny_lm
 
 from creditrl.cli import describe_sizes, main
 from creditrl.config import ActorConfig, Config, CriticConfig, DataConfig, OptimConfig
@@ -13,18 +14,6 @@ from creditrl.config.loader import PRESETS, all_keys, load_config, load_config_w
 from creditrl.config.validate import CHOICES, schema_fields
 from creditrl.config.verl_names import VERL_NAMES
 from creditrl.errors import ConfigError, DataError
-
-
-def refused(capsys, *args: str) -> str:
-    """Run ``creditrl config ARGS``; assert exit code 2 and one 'error:' line; return it."""
-    code = main(["config", *args])
-    out = capsys.readouterr().out
-    assert code == 2, out
-    lines = out.strip().splitlines()
-    assert len(lines) == 1, out
-    assert lines[0].startswith("error: ") and "Traceback" not in out
-    return lines[0]
-
 
 CHOICE_REFUSALS = [
     "model.dtype=float64",
@@ -236,8 +225,6 @@ def test_grad_clip_zero_names_the_off_switch() -> None:
 
 def test_grad_clip_null_means_no_clipping(monkeypatch) -> None:
     """Actor and critic workers pass max_norm=inf when grad_clip is None, and still step."""
-    from test_workers import TinyCritic, actor_batch, make_batch, tiny_lm
-
     from creditrl.workers import ActorWorker, CriticWorker
 
     seen: list[float] = []
@@ -250,9 +237,9 @@ def test_grad_clip_null_means_no_clipping(monkeypatch) -> None:
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
     model = tiny_lm()
     cfg = ActorConfig(optim=OptimConfig(lr=1e-2), grad_clip=None, autocast="none", shuffle=False)
-    metrics = ActorWorker(model, cfg).update_policy(actor_batch(model), 1.0, n_per_prompt=1)
+    metrics = ActorWorker(model, cfg).update_policy(padded_actor_batch(model), 1.0, n_per_prompt=1)
     assert 0 < metrics["actor/grad_norm"] < math.inf
-    batch = make_batch([6, 2, 4], [5, 1, 3])
+    batch = padded_batch([6, 2, 4], [5, 1, 3])
     critic = CriticWorker(TinyCritic(), CriticConfig(ppo_mini_batch_size=3, grad_clip=None))
     batch["values"] = critic.compute_values(batch)
     batch["returns"] = batch["values"] + 1.0

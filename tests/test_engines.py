@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_engine_config
 
 import creditrl
 import creditrl.workers.hybrid as hybrid
 from creditrl import cli
 from creditrl.batch import Batch
-from creditrl.config.loader import load_config
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import ConfigError, UserCodeError
 from creditrl.models.tiny import tiny_model_dir
@@ -36,33 +36,6 @@ from creditrl.trainers.rl_trainer import RLTrainer
 from creditrl.workers.hybrid import HybridWorker
 
 LOG_PROB = -0.5
-
-
-def tiny_config(out: Path, *extra: str):
-    """GRPO on the tiny model: 2 prompts x 2 answers of at most 8 tokens per step."""
-    return load_config(
-        overrides=[
-            f"model.path={tiny_model_dir()}",
-            "data.train_size=8",
-            "data.val_size=2",
-            "data.train_batch_size=2",
-            "rollout.n=2",
-            "rollout.max_response_length=8",
-            "rollout.temperature=1.0",
-            "actor.ppo_mini_batch_size=1",
-            "actor.ppo_micro_batch_size=2",
-            "actor.optim.lr=1e-3",
-            "actor.autocast=none",
-            "reward.num_workers=1",
-            "trainer.total_steps=1",
-            "trainer.save_freq=0",
-            "trainer.test_freq=0",
-            "trainer.val_before_train=false",
-            "trainer.logger=[jsonl]",
-            f"trainer.output_dir={out}",
-            *extra,
-        ]
-    )
 
 
 @register_rollout_engine("test_fixed_ids")
@@ -124,7 +97,7 @@ def test_a_registered_engine_trains_one_step(tmp_path: Path) -> None:
     to sleep after it."""
     assert "test_fixed_ids" in ROLLOUT_ENGINES.names()
     assert not engine_traits("test_fixed_ids").exact_log_probs
-    cfg = tiny_config(
+    cfg = tiny_engine_config(
         tmp_path / "run",
         "rollout.engine=test_fixed_ids",
         "actor.use_rollout_log_probs=true",
@@ -184,7 +157,7 @@ def test_vllm_where_it_cannot_run_is_one_line_before_any_model(
     assert f"rollout.engine=vllm: {vllm_unavailable_reason()}" in text
     assert "On CPU use rollout.engine=hf." in text
     with pytest.raises(ConfigError, match=r"^rollout\.engine=vllm: .*rollout\.engine=hf\.$"):
-        HybridWorker(tiny_config(tmp_path / "direct", "rollout.engine=vllm"))
+        HybridWorker(tiny_engine_config(tmp_path / "direct", "rollout.engine=vllm"))
 
 
 ENGINE_NAME_TESTS = (
@@ -214,12 +187,12 @@ def test_no_engine_name_branches_outside_the_engines() -> None:
 def test_log_prob_reuse_follows_the_engines_declaration(tmp_path: Path) -> None:
     """``rollout_log_probs_are_actors``: the engine's ``exact_log_probs`` (hf yes, vllm and the
     test engine no) and no top-k/top-p; validation lists the registered engines."""
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_engine_config(tmp_path)
     assert rollout_log_probs_are_actors(cfg)
     for override in ("rollout.engine=test_fixed_ids", "rollout.engine=vllm", "rollout.top_k=5"):
-        assert not rollout_log_probs_are_actors(tiny_config(tmp_path, override)), override
+        assert not rollout_log_probs_are_actors(tiny_engine_config(tmp_path, override)), override
     with pytest.raises(ConfigError, match=r"^rollout\.engine='sglang' is not one of hf, ") as e:
-        tiny_config(tmp_path, "rollout.engine=sglang")
+        tiny_engine_config(tmp_path, "rollout.engine=sglang")
     assert str(e.value).endswith(", ".join(ROLLOUT_ENGINES.names()))
 
 
@@ -237,7 +210,7 @@ def test_the_rollout_role_samples_like_the_full_worker(tmp_path: Path) -> None:
     """``HybridWorker(roles=("rollout",), with_ref=True)``: a frozen policy (no optimizer, no
     gradients, eval mode) that samples the full worker's tokens for the same seed, the same
     reference log-probs, and, after ``load_policy_weights``, samples from the new weights."""
-    cfg = tiny_config(tmp_path, "actor.use_kl_loss=true", "rollout.max_response_length=12")
+    cfg = tiny_engine_config(tmp_path, "actor.use_kl_loss=true", "rollout.max_response_length=12")
     full = HybridWorker(cfg)
     rollout = HybridWorker(cfg, roles=("rollout",), with_ref=True)
     assert rollout.actor is None and rollout.critic is None and rollout.trainables() == {}
@@ -267,7 +240,7 @@ def test_the_rollout_role_pushes_loaded_weights_to_an_engine_with_its_own(
 ) -> None:
     """With an engine that holds its own weights, the rollout role pushes the policy's at start
     and again on ``load_policy_weights``; roles are checked."""
-    cfg = tiny_config(tmp_path, "rollout.engine=test_fixed_ids")
+    cfg = tiny_engine_config(tmp_path, "rollout.engine=test_fixed_ids")
     worker = HybridWorker(cfg, roles=("rollout",))
     engine = worker.engine
     assert engine.events == [("wake_up", ("weights",)), "update_weights"]

@@ -126,11 +126,11 @@ def test_actor_loss_skips_rejected_tokens_only(tiny_actor_batch) -> None:
 
 @pytest.fixture
 def tiny_actor_batch(model):
-    """A real 2-row group for the tiny model (test_async_learner.make_group: responses of 4 and
+    """A real 2-row group for the tiny model (helpers.model_group: responses of 4 and
     3 tokens), with distinct advantages and old log-probs shifted so the ratio is not 1."""
-    from test_async_learner import make_group
+    from helpers import model_group
 
-    batch = make_group(model, "s0", 0, 0)
+    batch = model_group(model, "s0", 0, 0)
     mask = batch["response_mask"]
     batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-0.5, -0.5, -0.5, 0.0]])
     batch["old_log_probs"] = (batch["rollout_log_probs"] - 0.05) * mask
@@ -210,11 +210,11 @@ def test_rollout_corr_metrics_values() -> None:
 def test_learner_rollout_correction_keeps_advantages(tmp_path: Path, monkeypatch) -> None:
     """The async learner enables rollout IS by default; with mask mode and a veto its
     advantages and returns equal the uncorrected ones and rejections land in loss_mask only."""
-    from test_async_learner import make_group, tiny_config
+    from helpers import model_group, tiny_learner_config
 
     from creditrl.asynchronous.learner import Learner
 
-    cfg = tiny_config(
+    cfg = tiny_learner_config(
         tmp_path, "algorithm.rollout_is.mode=mask", "algorithm.rollout_is.veto_threshold=0.9"
     )
     learner = Learner(cfg)
@@ -224,7 +224,10 @@ def test_learner_rollout_correction_keeps_advantages(tmp_path: Path, monkeypatch
             p.add_(torch.randn_like(p) * 0.5)
     from creditrl.asynchronous.learner import concat_groups
 
-    groups = [make_group(other, "s0", 0, 0, (1.0, 0.0)), make_group(other, "s0", 1, 0, (0.0, 1.0))]
+    groups = [
+        model_group(other, "s0", 0, 0, (1.0, 0.0)),
+        model_group(other, "s0", 1, 0, (0.0, 1.0)),
+    ]
     batch = concat_groups(groups, pad_token_id=2)
     batch["staleness"] = torch.ones(len(batch), dtype=torch.long)  # recompute old log-probs
     seen = {}
@@ -290,11 +293,11 @@ def test_mismatch_metrics_are_logged_with_rollout_is_off(tmp_path: Path, reuse: 
     """rollout_corr/* appear in every step's metrics with rollout IS off: from the recomputed
     old log-probs, or (when the old log-probs are the rollout's) from the update's first
     training forward. On-policy in float32 the two sides agree to float noise."""
-    from test_trainer import read_metrics, tiny_config
+    from helpers import read_metrics, tiny_trainer_config
 
     from creditrl.trainers.rl_trainer import RLTrainer
 
-    cfg = tiny_config(
+    cfg = tiny_trainer_config(
         tmp_path,
         f"actor.use_rollout_log_probs={str(reuse).lower()}",
         "actor.autocast=none",
@@ -318,12 +321,12 @@ def test_dapo_without_varied_groups_stops_with_one_line(tmp_path: Path, monkeypa
     """preset=dapo when no group's scores vary within max_num_gen_batches: a UserError naming
     the key and what to change (it was a bare RuntimeError)."""
     import numpy as np
-    from test_trainer import tiny_config
+    from helpers import tiny_trainer_config
 
     from creditrl.errors import NothingToLearnError
     from creditrl.trainers.rl_trainer import RLTrainer
 
-    cfg = tiny_config(
+    cfg = tiny_trainer_config(
         tmp_path, "preset=dapo", "algorithm.filter_groups.max_num_gen_batches=2",
         "algorithm.overlong_buffer.len=4", "trainer.val_before_train=false",
     )  # fmt: skip
@@ -339,11 +342,11 @@ def test_dapo_without_varied_groups_stops_with_one_line(tmp_path: Path, monkeypa
 def test_rollout_is_recomputes_old_log_probs(tmp_path: Path) -> None:
     """With rollout IS on, the old log-probs are the trainer's own forward, not the sampler's
     copied over (which made every weight exactly 1, a silent no-op)."""
-    from test_trainer import tiny_config
+    from helpers import tiny_trainer_config
 
     from creditrl.trainers.rl_trainer import RLTrainer
 
-    cfg = tiny_config(
+    cfg = tiny_trainer_config(
         tmp_path, "actor.use_rollout_log_probs=true", "algorithm.rollout_is.enable=true"
     )
     trainer = RLTrainer(cfg)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, tiny_trainer_config
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
-from test_trainer import read_metrics, tiny_config
 
 import creditrl
 from creditrl.cli import main
@@ -96,7 +96,9 @@ def run_fresh(models: dict[str, dict[str, str]]) -> dict:
 def train(out: Path, *extra: str) -> Path:
     scorer = out.parent / "char_sum.py"
     scorer.write_text(SCORER)
-    cfg = tiny_config(out, f"reward.scorer={scorer}:char_sum", "reward.num_workers=0", *extra)
+    cfg = tiny_trainer_config(
+        out, f"reward.scorer={scorer}:char_sum", "reward.num_workers=0", *extra
+    )
     RLTrainer(cfg).fit()
     return out
 
@@ -120,7 +122,7 @@ def lora_run(tmp_path_factory) -> Path:
 def checkpoint_log_probs(run_dir: Path, step: int = 2) -> tuple[list[int], list[torch.Tensor]]:
     """The fixed responses' log-probs under the checkpoint's actor, restored by the code that
     resumes a run and computed by the trainer's actor worker (temperature 1)."""
-    cfg = tiny_config(run_dir, "trainer.resume=never")
+    cfg = tiny_trainer_config(run_dir, "trainer.resume=never")
     cfg.model.lora_rank, cfg.model.lora_alpha = _lora(run_dir)
     worker = HybridWorker(cfg, roles=("actor",))
     directory = run_dir / "checkpoints" / f"step_{step:06d}"

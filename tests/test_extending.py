@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import read_metrics, tiny_config
+from helpers import read_metrics, tiny_trainer_config
 
 from creditrl.agents.scripted import ScriptedTurnGenerator
 from creditrl.config.loader import load_config
@@ -59,7 +59,7 @@ def test_a_registered_estimator_that_requires_values_gets_a_critic(tmp_path: Pat
             token_level_rewards, values, response_mask, options["gamma"], options["lam"]
         )
 
-    cfg = tiny_config(tmp_path, "algorithm.adv_estimator=my_gae_like", *ONE_STEP)
+    cfg = tiny_trainer_config(tmp_path, "algorithm.adv_estimator=my_gae_like", *ONE_STEP)
     assert Plan.from_config(cfg).needs_critic
     trainer = RLTrainer(cfg)
     trainer.fit()
@@ -86,7 +86,7 @@ def test_a_registered_policy_loss_is_the_one_the_actor_optimises(tmp_path: Path)
         )  # fmt: skip
         return loss + offset, metrics
 
-    cfg = tiny_config(tmp_path, "actor.policy_loss=ppo_plus_seven", *ONE_STEP)
+    cfg = tiny_trainer_config(tmp_path, "actor.policy_loss=ppo_plus_seven", *ONE_STEP)
     RLTrainer(cfg).fit()
     # 2 prompts x n=2, mini-batches of 1 prompt (2 trajectories), micro-batches of 2: 2 calls
     assert len(calls) == 2 and all(shape[0] == 2 for shape in calls)
@@ -106,7 +106,7 @@ def test_a_registered_rollout_engine_generates_the_step(tmp_path: Path) -> None:
             batch["engine_tag"] = ["tagged_hf"] * len(batch)
             return batch
 
-    cfg = tiny_config(tmp_path, "rollout.engine=tagged_hf", *ONE_STEP)
+    cfg = tiny_trainer_config(tmp_path, "rollout.engine=tagged_hf", *ONE_STEP)
     trainer = RLTrainer(cfg)
     trainer.fit()
     assert sum(prompts_seen) == 4
@@ -121,7 +121,9 @@ def test_a_registered_scorer_selected_by_reward_scorer_scores_the_step(tmp_path:
     def length_parity(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
         return 0.25 + 0.5 * (len(solution_str) % 2)
 
-    cfg = tiny_config(tmp_path, "reward.scorer=length_parity", "reward.num_workers=0", *ONE_STEP)
+    cfg = tiny_trainer_config(
+        tmp_path, "reward.scorer=length_parity", "reward.num_workers=0", *ONE_STEP
+    )
     trainer = RLTrainer(cfg)
     trainer.fit()
     batch = trainer.last_batch

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer import tiny_config
+from helpers import tiny_trainer_config
 
 from creditrl import cli
 from creditrl.config.loader import save_resolved_config
@@ -26,7 +26,9 @@ def test_ctrl_c_in_a_step_is_one_line_and_exit_130(
     step 2 of 3 and the checkpoint a rerun resumes from; rerunning finishes the run."""
     out = tmp_path / "run"
     config = tmp_path / "run.yaml"
-    save_resolved_config(tiny_config(out, "trainer.total_steps=3", "trainer.test_freq=0"), config)
+    save_resolved_config(
+        tiny_trainer_config(out, "trainer.total_steps=3", "trainer.test_freq=0"), config
+    )
     real = RLTrainer.train_step
 
     def interrupted_at_two(self: RLTrainer) -> dict:
@@ -64,7 +66,7 @@ def test_sigint_to_the_process_group_of_a_real_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = tmp_path / "run.yaml"
     save_resolved_config(
-        tiny_config(
+        tiny_trainer_config(
             out, "trainer.total_steps=100000", "trainer.save_freq=50", "trainer.test_freq=0"
         ),
         config,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_trainer import tiny_config
+from helpers import tiny_trainer_config
 
 from creditrl.asynchronous.launcher import free_port
 from creditrl.models.tiny import tiny_model_dir
@@ -62,7 +62,7 @@ def test_local_ray_cluster_and_its_workers_listen_on_loopback_only(tmp_path: Pat
 
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         pytest.skip("needs a Ray cluster of its own")
-    cfg = tiny_config(tmp_path, "trainer.backend=ray", "trainer.workers=2")
+    cfg = tiny_trainer_config(tmp_path, "trainer.backend=ray", "trainer.workers=2")
     group = RayWorkerGroup(cfg)
     try:
         group.save_checkpoint(str(tmp_path))  # a collective over the workers' process group

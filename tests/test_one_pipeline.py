@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_async_learner import make_group, tiny_config
+from helpers import model_group, tiny_learner_config
 
 from creditrl.asynchronous.learner import Learner, concat_groups
 from creditrl.asynchronous.settings import check_async_config
@@ -25,7 +25,10 @@ VOLATILE = ("timing_s/", "perf/", "timing_per_token_ms/")
 
 def _groups() -> object:
     model = load_causal_lm(tiny_model_dir())
-    groups = [make_group(model, "s0", 0, 0, (1.0, 0.0)), make_group(model, "s0", 1, 0, (0.0, 1.0))]
+    groups = [
+        model_group(model, "s0", 0, 0, (1.0, 0.0)),
+        model_group(model, "s0", 1, 0, (0.0, 1.0)),
+    ]
     return concat_groups(groups, pad_token_id=2)
 
 
@@ -37,8 +40,8 @@ def test_learner_training_half_equals_the_synchronous_trainer(tmp_path: Path, pr
     estimator requires values), which the old learner could not."""
     extra = ["asynchronous.old_log_probs=sampler", f"preset={preset}",
              "critic.ppo_mini_batch_size=2", "algorithm.lam=0.95"]  # fmt: skip
-    learner = Learner(tiny_config(tmp_path / "learner", *extra))
-    trainer = RLTrainer(tiny_config(tmp_path / "sync", *extra))
+    learner = Learner(tiny_learner_config(tmp_path / "learner", *extra))
+    trainer = RLTrainer(tiny_learner_config(tmp_path / "sync", *extra))
     batch = _groups()
     batch["staleness"] = torch.zeros(len(batch), dtype=torch.long)
     learned, a = learner.update(copy.deepcopy(batch), {})
@@ -61,7 +64,7 @@ def test_async_with_an_engine_this_machine_lacks_names_it(tmp_path: Path, capsys
     """rollout.engine=vllm without vLLM: `creditrl async` stops before starting any process,
     naming vllm in one line (the sampler used to hard-code the HF engine and ignore the key)."""
     with pytest.raises(ConfigError, match="vllm"):
-        check_async_config(tiny_config(tmp_path, "rollout.engine=vllm"))
+        check_async_config(tiny_learner_config(tmp_path, "rollout.engine=vllm"))
     code = main(["async", f"model.path={tiny_model_dir()}", "rollout.engine=vllm",
                  f"trainer.output_dir={tmp_path / 'run'}"])  # fmt: skip
     out = capsys.readouterr().out

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from test_workers import make_batch as padded_batch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from helpers import padded_batch, small_llama_config, spy_grads, tiny_lm_with_attn
+from transformers import LlamaModel
 
 from creditrl import Batch
 from creditrl.config import ActorConfig, CriticConfig, OptimConfig
@@ -15,27 +15,11 @@ from creditrl.workers import ActorWorker, CriticWorker, policy_forward, value_fo
 from creditrl.workers.micro_batches import micro_batch_indices, restore_order, sequence_lengths
 from creditrl.workers.packing import pack, packed_policy_forward, packed_value_forward
 
-VOCAB = 96
-
-
-def llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-
-
-def tiny_lm(seed: int = 0, attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config()).float()
-    model.set_attn_implementation(attn)
-    return model
-
 
 def tiny_critic(seed: int = 1) -> CriticModel:
     torch.manual_seed(seed)
     head = torch.nn.Linear(32, 1)  # random, not CriticModel's zero init: values must differ
-    return CriticModel(LlamaModel(llama_config()).float(), head)
+    return CriticModel(LlamaModel(small_llama_config()).float(), head)
 
 
 PROMPTS = [6, 2, 4, 5, 1, 3]
@@ -43,7 +27,7 @@ RESPONSES = [5, 1, 3, 4, 2, 0]
 
 
 def make_batch(prompt_lens=PROMPTS, response_lens=RESPONSES, p=6, t=5, seed=0) -> Batch:
-    """``test_workers.make_batch``, with an observation token (response mask 0, attention 1)
+    """``helpers.padded_batch``, with an observation token (response mask 0, attention 1)
     inside row 0's response, as a multi-turn rollout writes it."""
     batch = padded_batch(prompt_lens, response_lens, p=p, t=t, seed=seed)
     if response_lens[0] > 2:
@@ -79,7 +63,7 @@ def test_pack_rejects_bad_rows() -> None:
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_log_probs_and_entropy_equal_padded(attn: str) -> None:
-    model = tiny_lm(attn=attn).eval()
+    model = tiny_lm_with_attn(attn=attn).eval()
     batch = make_batch()
     valid = batch["attention_mask"][:, -5:].bool()
     with torch.no_grad():
@@ -138,7 +122,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_compute_log_prob_and_values_equal_fixed_padded(setting: dict) -> None:
-    model = tiny_lm()
+    model = tiny_lm_with_attn()
     batch = make_batch()
     fixed = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=4), trainable=False)
     other = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=4, **setting), trainable=False)
@@ -150,15 +134,6 @@ def test_compute_log_prob_and_values_equal_fixed_padded(setting: dict) -> None:
     want_v = CriticWorker(critic, CriticConfig(), micro_batch_size=4).compute_values(batch)
     got_v = CriticWorker(critic, CriticConfig(**setting), micro_batch_size=4).compute_values(batch)
     torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-5)
-
-
-def spy_grads(worker, model, grads: list) -> None:
-    """Append the flat gradient of ``model`` to ``grads`` before each optimizer step."""
-
-    def spy(*_):
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-
-    worker.optimizer.register_step_pre_hook(spy)
 
 
 def actor_batch(model) -> Batch:
@@ -173,7 +148,7 @@ def actor_batch(model) -> Batch:
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
 def test_update_gradients_equal_fixed_padded(mode: str) -> None:
-    base = tiny_lm()
+    base = tiny_lm_with_attn()
     batch = actor_batch(base)
     grads: list[torch.Tensor] = []
     results = []

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from test_packing import spy_grads, tiny_lm
-from test_workers import make_batch
+from helpers import padded_batch, spy_grads, tiny_lm_with_attn
 
 from creditrl import Batch
 from creditrl.config import ActorConfig, OptimConfig
@@ -24,7 +23,7 @@ def grpo_batch(n: int = 3, seed: int = 0) -> Batch:
     """Two prompts (5 and 3 real tokens, the same first 2 tokens) x ``n`` responses, rows of
     one prompt interleaved with the other's; row 0's first two response tokens equal row 2's;
     an observation token (response_mask 0) inside row 1's response."""
-    batch = make_batch([5, 3] * n, [4, 2, 5, 3, 1, 4][: 2 * n], p=6, t=5, seed=seed)
+    batch = padded_batch([5, 3] * n, [4, 2, 5, 3, 1, 4][: 2 * n], p=6, t=5, seed=seed)
     ids = batch["input_ids"]
     prompt_a, prompt_b = ids[0, 1:6].clone(), ids[1, 3:6].clone()
     prompt_b[:2] = prompt_a[:2]
@@ -68,7 +67,7 @@ def test_tree_layout_by_hand() -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_and_entropy_match_the_padded_forward(attn: str, temperature: float) -> None:
-    model = tiny_lm(attn=attn)
+    model = tiny_lm_with_attn(attn=attn)
     batch = grpo_batch()
     tree = build_prefix_tree(batch)
     assert tree.nodes < 0.9 * tree.tokens  # the tree path runs, not the fallback
@@ -91,7 +90,7 @@ def test_gradients_match_the_padded_forward() -> None:
     weights = weights * batch["attention_mask"][:, 6:]  # the padded forward fills padding too
     grads = []
     for use_tree in (False, True):
-        model = tiny_lm()
+        model = tiny_lm_with_attn()
         if use_tree:
             lp, h = prefix_tree_policy_forward(model, batch, 1.0, True, fallback=None)
         else:
@@ -103,14 +102,14 @@ def test_gradients_match_the_padded_forward() -> None:
 
 
 def test_falls_back_where_nothing_is_shared() -> None:
-    batch = make_batch([3, 2], [2, 2])  # random tokens: no shared prefix
+    batch = padded_batch([3, 2], [2, 2])  # random tokens: no shared prefix
     calls = []
 
     def fallback(*args):
         calls.append(args)
         return "padded"
 
-    out = prefix_tree_policy_forward(tiny_lm(), batch, 1.0, False, fallback=fallback)
+    out = prefix_tree_policy_forward(tiny_lm_with_attn(), batch, 1.0, False, fallback=fallback)
     assert out == "padded" and len(calls) == 1
 
 
@@ -130,7 +129,7 @@ def test_update_equals_the_padded_update() -> None:
     batch["advantages"] = torch.linspace(-1, 1, batch["responses"].numel()).view(6, 5)
     grads: list[torch.Tensor] = []
     for setting in ("never", "always"):
-        model = tiny_lm()
+        model = tiny_lm_with_attn()
         cfg = ActorConfig(
             optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size=3,
             shared_prefix=setting, entropy_coeff=0.01, autocast="none",
@@ -144,7 +143,7 @@ def test_update_equals_the_padded_update() -> None:
 
 
 def test_resolve_and_refusals() -> None:
-    model = tiny_lm()
+    model = tiny_lm_with_attn()
     assert resolve_shared_prefix("auto", model) is True  # a CPU model with sdpa
     assert resolve_shared_prefix("never", model) is False
     with pytest.raises(ValueError, match="must be one of"):

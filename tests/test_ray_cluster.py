@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import COMPARED_METRICS, read_metrics, tiny_scale_out_config
 from rich.console import Console
-from test_scale_out import COMPARED, config
-from test_trainer import read_metrics
 
 from creditrl import cli
 from creditrl.asynchronous.launcher import load_from_args
@@ -62,10 +61,10 @@ def test_sync_trainer_spreads_its_ranks_over_two_nodes(tmp_path: Path, two_nodes
     """trainer.ray.placement_strategy=SPREAD puts rank 0 and rank 1 on the two different nodes
     of the cluster named by trainer.ray.address, and one step there gives the in-process
     run's metrics (same seed) to 1e-5."""
-    local = RLTrainer(config(tmp_path / "local", "trainer.total_steps=1"))
+    local = RLTrainer(tiny_scale_out_config(tmp_path / "local", "trainer.total_steps=1"))
     local.fit()
     spread = RLTrainer(
-        config(
+        tiny_scale_out_config(
             tmp_path / "ray",
             "trainer.total_steps=1",
             "trainer.backend=ray",
@@ -79,7 +78,7 @@ def test_sync_trainer_spreads_its_ranks_over_two_nodes(tmp_path: Path, two_nodes
     assert len(alive) == 2 and set(nodes.values()) == alive  # one rank on each node
     spread.fit()
     a, b = read_metrics(tmp_path / "local")[1], read_metrics(tmp_path / "ray")[1]
-    compared = [key for key in COMPARED if key in a or key in b]
+    compared = [key for key in COMPARED_METRICS if key in a or key in b]
     assert len(compared) >= 6
     for key in compared:
         assert b[key] == pytest.approx(a[key], abs=1e-5), key

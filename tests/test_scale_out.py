@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import read_metrics, tiny_config
+from helpers import COMPARED_METRICS, read_metrics, tiny_scale_out_config
 
 from creditrl.batch import Batch
 from creditrl.controller.dispatch import Dispatch, collect, split
@@ -18,33 +18,12 @@ from creditrl.trainers.rl_trainer import RLTrainer
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the 'ray' package")
 
-COMPARED = (
-    "critic/score/mean",
-    "response_length/mean",
-    "actor/pg_loss",
-    "actor/grad_norm",
-    "actor/entropy",
-    "actor/pg_clipfrac",
-    "actor/ppo_kl",
-    "val/score",
-)
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="test")
     yield
     ray.shutdown()
-
-
-def config(out: Path, *extra: str):
-    return tiny_config(
-        out,
-        "actor.autocast=none",
-        "actor.ppo_mini_batch_size=2",
-        "trainer.test_freq=2",
-        *extra,
-    )
 
 
 def test_dispatch_keeps_order_and_refuses_uneven_updates() -> None:
@@ -86,13 +65,15 @@ def test_collect_right_pads_ranks_with_shorter_responses() -> None:
 
 
 def test_ray_two_workers_match_in_process(tmp_path: Path, ray_cluster) -> None:
-    local = RLTrainer(config(tmp_path / "local"))
+    local = RLTrainer(tiny_scale_out_config(tmp_path / "local"))
     local.fit()
-    distributed = RLTrainer(config(tmp_path / "ray", "trainer.backend=ray", "trainer.workers=2"))
+    distributed = RLTrainer(
+        tiny_scale_out_config(tmp_path / "ray", "trainer.backend=ray", "trainer.workers=2")
+    )
     distributed.fit()
     a, b = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
     for step in (1, 2):
-        for key in COMPARED:
+        for key in COMPARED_METRICS:
             if key in a[step] or key in b[step]:
                 assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)
     assert "global_seqlen/minmax_diff" in b[1]
@@ -103,7 +84,7 @@ def test_ray_two_workers_match_in_process(tmp_path: Path, ray_cluster) -> None:
 
 def test_killed_worker_is_named_and_rerun_resumes(tmp_path: Path, ray_cluster) -> None:
     out = tmp_path / "run"
-    cfg = config(
+    cfg = tiny_scale_out_config(
         out,
         "trainer.backend=ray",
         "trainer.workers=2",
@@ -130,14 +111,16 @@ def test_killed_worker_is_named_and_rerun_resumes(tmp_path: Path, ray_cluster) -
     assert max(read_metrics(out)) >= 1
 
     resumed = RLTrainer(
-        config(out, "trainer.backend=ray", "trainer.workers=2", "trainer.total_steps=3")
+        tiny_scale_out_config(
+            out, "trainer.backend=ray", "trainer.workers=2", "trainer.total_steps=3"
+        )
     )
     resumed.fit()
     assert [step for step in sorted(read_metrics(out)) if step > 0] == [1, 2, 3]
 
 
 def test_ppo_with_the_critic_in_its_own_pool(tmp_path: Path, ray_cluster) -> None:
-    cfg = config(
+    cfg = tiny_scale_out_config(
         tmp_path,
         "preset=ppo",
         "trainer.backend=ray",
@@ -158,7 +141,7 @@ def test_ppo_with_the_critic_in_its_own_pool(tmp_path: Path, ray_cluster) -> Non
 
 
 def test_agent_loop_runs_inside_ray_workers(tmp_path: Path, ray_cluster) -> None:
-    cfg = config(
+    cfg = tiny_scale_out_config(
         tmp_path,
         "preset=calculator_agent",
         "data.train_size=8",

@@ -1,50 +1,17 @@
 """End to end on a tiny random model with the real tokenizer: every stage of GRPO and PPO,
 checkpoint/resume exactness, and the CLI's main path."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, tiny_trainer_config
 from safetensors.torch import load_file
 
-from creditrl.config.loader import load_config
-from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.rl_trainer import RLTrainer
 
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "time")
-
-
-def tiny_config(out: Path, *extra: str):
-    return load_config(
-        overrides=[
-            f"model.path={tiny_model_dir()}",
-            "data.train_size=24",
-            "data.val_size=4",
-            "data.train_batch_size=2",
-            "rollout.n=2",
-            "rollout.max_response_length=8",
-            "rollout.temperature=1.0",
-            "actor.ppo_mini_batch_size=1",
-            "critic.ppo_mini_batch_size=1",
-            "actor.ppo_micro_batch_size=2",
-            "actor.optim.lr=1e-3",
-            "actor.use_rollout_log_probs=false",
-            "reward.num_workers=1",
-            "trainer.total_steps=2",
-            "trainer.save_freq=1",
-            "trainer.test_freq=2",
-            "trainer.logger=[jsonl]",
-            f"trainer.output_dir={out}",
-            *extra,
-        ]
-    )
-
-
-def read_metrics(out: Path) -> dict[int, dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {row["step"]: row for row in map(json.loads, lines)}
 
 
 def stable(metrics: dict) -> dict:
@@ -55,7 +22,7 @@ def stable(metrics: dict) -> dict:
 def test_two_steps_through_every_stage(
     tmp_path: Path, preset: str, extra_fields: list[str]
 ) -> None:
-    cfg = tiny_config(tmp_path / preset, f"preset={preset}")
+    cfg = tiny_trainer_config(tmp_path / preset, f"preset={preset}")
     trainer = RLTrainer(cfg)
     summary = trainer.fit()
     batch = trainer.last_batch
@@ -89,12 +56,12 @@ def test_two_steps_through_every_stage(
 
 def test_resume_from_step_one_reproduces_step_two(tmp_path: Path) -> None:
     full = tmp_path / "full"
-    RLTrainer(tiny_config(full)).fit()
+    RLTrainer(tiny_trainer_config(full)).fit()
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000002")
     (resumed / "checkpoints" / "latest").write_text("step_000001")
-    trainer = RLTrainer(tiny_config(resumed))
+    trainer = RLTrainer(tiny_trainer_config(resumed))
     trainer.fit()
     assert trainer.step == 2
     first, again = read_metrics(full), read_metrics(resumed)
@@ -108,8 +75,8 @@ def test_resume_from_step_one_reproduces_step_two(tmp_path: Path) -> None:
 def test_rerunning_a_finished_run_reports_its_validations(tmp_path: Path) -> None:
     """A second `creditrl train` on a finished run's directory resumes at its end and its
     summary shows the validation before and after (it showed "n/a" after)."""
-    first = RLTrainer(tiny_config(tmp_path)).fit()
-    again = RLTrainer(tiny_config(tmp_path)).fit()
+    first = RLTrainer(tiny_trainer_config(tmp_path)).fit()
+    again = RLTrainer(tiny_trainer_config(tmp_path)).fit()
     assert first.val_after and "val/score" in first.val_after
     assert again.as_dict()["val_score_after"] == first.as_dict()["val_score_after"]
     assert again.as_dict()["val_score_before"] == first.as_dict()["val_score_before"]
@@ -117,7 +84,7 @@ def test_rerunning_a_finished_run_reports_its_validations(tmp_path: Path) -> Non
 
 
 def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path, "actor.use_rollout_log_probs=true", "trainer.total_steps=1")
+    cfg = tiny_trainer_config(tmp_path, "actor.use_rollout_log_probs=true", "trainer.total_steps=1")
     trainer = RLTrainer(cfg)
     assert trainer.reuse_rollout_log_probs
     trainer.fit()
@@ -126,7 +93,7 @@ def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
     assert "timing_s/old_log_prob" in read_metrics(tmp_path)[1]
     assert read_metrics(tmp_path)[1]["actor/entropy"] > 0
     topk = RLTrainer(
-        tiny_config(tmp_path / "k", "actor.use_rollout_log_probs=true", "rollout.top_k=5")
+        tiny_trainer_config(tmp_path / "k", "actor.use_rollout_log_probs=true", "rollout.top_k=5")
     )
     assert not topk.reuse_rollout_log_probs  # top-k sampling is not the actor's distribution
 
@@ -141,7 +108,7 @@ def parity(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
 def test_presets_run_a_step(tmp_path: Path, preset: str) -> None:
     scorer = tmp_path / "parity.py"
     scorer.write_text(SCORER)
-    cfg = tiny_config(
+    cfg = tiny_trainer_config(
         tmp_path / "run", f"preset={preset}", f"reward.scorer={scorer}:parity",
         "trainer.total_steps=1", "trainer.val_before_train=false",
         "algorithm.overlong_buffer.len=4",
@@ -158,7 +125,7 @@ def test_presets_run_a_step(tmp_path: Path, preset: str) -> None:
 
 
 def test_remax_uses_greedy_baselines(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path, "algorithm.adv_estimator=remax", "trainer.total_steps=1")
+    cfg = tiny_trainer_config(tmp_path, "algorithm.adv_estimator=remax", "trainer.total_steps=1")
     trainer = RLTrainer(cfg)
     trainer.fit()
     assert trainer.last_batch["reward_baselines"].shape == (4,)
@@ -167,6 +134,6 @@ def test_remax_uses_greedy_baselines(tmp_path: Path) -> None:
 
 def test_backend_choices_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"trainer\.backend='slurm' is not one of local, ray"):
-        RLTrainer(tiny_config(tmp_path, "trainer.backend=slurm"))
+        RLTrainer(tiny_trainer_config(tmp_path, "trainer.backend=slurm"))
     with pytest.raises(ValueError, match=r"needs trainer\.backend=ray"):
-        RLTrainer(tiny_config(tmp_path, "trainer.workers=2"))
+        RLTrainer(tiny_trainer_config(tmp_path, "trainer.workers=2"))

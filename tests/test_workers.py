@@ -4,63 +4,11 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import TinyCritic, padded_actor_batch, padded_batch, tiny_lm
 
 from creditrl import Batch
 from creditrl.config import ActorConfig, CriticConfig, OptimConfig
 from creditrl.workers import ActorWorker, CriticWorker, policy_forward, value_forward
-
-VOCAB = 96
-
-
-def tiny_lm(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).float()
-
-
-class TinyCritic(torch.nn.Module):
-    """A value head on the tiny LM's hidden states: (B, L) values."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lm = tiny_lm(1)
-        self.head = torch.nn.Linear(32, 1)
-
-    def forward(self, input_ids, attention_mask, position_ids):
-        out = self.lm.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        )
-        return self.head(out.last_hidden_state).squeeze(-1)
-
-
-def make_batch(prompt_lens, response_lens, p=6, t=5, seed=0) -> Batch:
-    """Left-padded prompts, right-padded responses (pad id 0), as the rollout writes them."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(prompt_lens)
-    prompts = torch.zeros(b, p, dtype=torch.long)
-    responses = torch.zeros(b, t, dtype=torch.long)
-    pmask = torch.zeros(b, p, dtype=torch.long)
-    rmask = torch.zeros(b, t, dtype=torch.long)
-    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
-        prompts[i, p - pl :] = torch.randint(3, VOCAB, (pl,), generator=g)
-        pmask[i, p - pl :] = 1
-        responses[i, :rl] = torch.randint(3, VOCAB, (rl,), generator=g)
-        rmask[i, :rl] = 1
-    attention = torch.cat([pmask, rmask], 1)
-    return Batch.from_dict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": rmask,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-        }
-    )
 
 
 def direct_log_probs(model, batch: Batch, temperature: float) -> torch.Tensor:
@@ -79,7 +27,7 @@ def direct_log_probs(model, batch: Batch, temperature: float) -> torch.Tensor:
 
 def test_policy_forward_matches_each_row_alone() -> None:
     model = tiny_lm().eval()
-    batch = make_batch([6, 2, 4], [5, 1, 3])
+    batch = padded_batch([6, 2, 4], [5, 1, 3])
     with torch.no_grad():
         got, entropy = policy_forward(model, batch, temperature=0.7, with_entropy=True)
         want = direct_log_probs(model, batch, 0.7)
@@ -91,7 +39,7 @@ def test_policy_forward_matches_each_row_alone() -> None:
 
 def test_trimming_does_not_change_log_probs() -> None:
     model = tiny_lm().eval()
-    batch = make_batch([2, 3], [2, 1], p=9, t=7)  # lots of all-padding columns
+    batch = padded_batch([2, 3], [2, 1], p=9, t=7)  # lots of all-padding columns
     with torch.no_grad():
         got, _ = policy_forward(model, batch)
         want = direct_log_probs(model, batch, 1.0)
@@ -103,19 +51,10 @@ def test_trimming_does_not_change_log_probs() -> None:
     torch.testing.assert_close(log_probs, want * mask)
 
 
-def actor_batch(model) -> Batch:
-    batch = make_batch([6, 2, 4, 5], [5, 1, 3, 4], seed=3)
-    worker = ActorWorker(model, ActorConfig(), trainable=False)
-    batch["old_log_probs"], _ = worker.compute_log_prob(batch, 1.0, with_entropy=False)
-    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * batch["response_mask"]
-    batch["ref_log_prob"] = batch["old_log_probs"] - 0.1
-    return batch
-
-
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_accumulate_the_same_gradient(mode: str) -> None:
     base = tiny_lm()
-    batch = actor_batch(base)
+    batch = padded_actor_batch(base)
     grads = []
     for micro in (4, 1):
         model = copy.deepcopy(base)
@@ -143,7 +82,7 @@ def test_micro_batches_accumulate_the_same_gradient(mode: str) -> None:
 
 def test_critic_values_are_aligned_and_update_runs() -> None:
     critic = TinyCritic()
-    batch = make_batch([6, 2, 4], [5, 1, 3])
+    batch = padded_batch([6, 2, 4], [5, 1, 3])
     worker = CriticWorker(critic, CriticConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=2))
     values = worker.compute_values(batch)
     with torch.no_grad():
@@ -165,7 +104,7 @@ def test_critic_values_are_aligned_and_update_runs() -> None:
 
 def test_bf16_autocast_update_stays_close_to_float32() -> None:
     base = tiny_lm()
-    batch = actor_batch(base)
+    batch = padded_actor_batch(base)
     grads = []
     for autocast in ("none", "bf16"):
         model = copy.deepcopy(base)
@@ -187,7 +126,7 @@ def test_bf16_autocast_update_stays_close_to_float32() -> None:
 @pytest.mark.parametrize("packed", [False, True])
 def test_first_minibatch_health_metrics_are_zero_on_policy(packed: bool) -> None:
     model = tiny_lm()
-    batch = actor_batch(model)
+    batch = padded_actor_batch(model)
     cfg = ActorConfig(
         optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size=1, ppo_epochs=2,
         autocast="none", use_remove_padding=packed, use_dynamic_bsz=packed,
