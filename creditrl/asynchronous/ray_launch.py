@@ -41,6 +41,12 @@ from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.asynchronous.transport import endpoint, is_loopback
 from creditrl.config import Config
 from creditrl.config.loader import from_dict, to_dict
+from creditrl.controller.placement import (
+    actor_options,
+    create_placement,
+    rank_bundle,
+    remove_placement,
+)
 from creditrl.errors import ConfigError, UserError
 
 __all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]
@@ -220,32 +226,20 @@ def supervise_actors(
         _kill(everyone)
 
 
-def _bundle(cfg: Config) -> dict[str, float]:
-    ray_cfg = cfg.trainer.ray
-    bundle = {"CPU": ray_cfg.cpus_per_worker}
-    if ray_cfg.gpus_per_worker > 0:
-        bundle["GPU"] = ray_cfg.gpus_per_worker
-    return bundle
-
-
 def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRun]] | int:
     """The placement group and the actors (learner ranks, then samplers), or an exit code
     after reporting a placement that did not happen in time."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     a, ray_cfg = cfg.asynchronous, cfg.trainer.ray
     roles = [("learner", r) for r in range(a.learners)]
     roles += [("sampler", i) for i in range(a.num_samplers)]
-    bundle = _bundle(cfg)
-    placement = placement_group([bundle] * len(roles), strategy=ray_cfg.placement_strategy)
+    bundle = rank_bundle(ray_cfg)
+    placement = create_placement(ray_cfg, len(roles))
     timeout = cfg.trainer.call_timeout_s
     ready, _ = ray.wait([placement.ready()], timeout=timeout)
     if not ready:
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(placement)
+        remove_placement(placement)
         console.print(
             f"[red]async:[/red] the Ray cluster did not place {len(roles)} actor(s) of "
             f"{bundle} (trainer.ray.cpus_per_worker / gpus_per_worker, placement_strategy="
@@ -259,13 +253,9 @@ def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRu
         ActorRun(
             role,
             index,
-            remote.options(
-                num_cpus=ray_cfg.cpus_per_worker,
-                num_gpus=ray_cfg.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=slot
-                ),
-            ).remote(role, index, os.getcwd()),
+            remote.options(**actor_options(ray_cfg, placement, slot)).remote(
+                role, index, os.getcwd()
+            ),
         )
         for slot, (role, index) in enumerate(roles)
     ]
@@ -348,8 +338,6 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
     finally:
         _kill(everyone)
         if placement is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(placement)
+            remove_placement(placement)
         if started:
             ray.shutdown()

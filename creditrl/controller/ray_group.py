@@ -38,6 +38,7 @@ from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.config.loader import from_dict, to_dict
 from creditrl.controller.dispatch import Dispatch, collect, split
+from creditrl.controller.placement import actor_options, create_placement, remove_placement
 from creditrl.controller.worker_group import METHODS, WorkerGroup
 
 __all__ = ["RankActor", "RayWorkerGroup", "RoutedWorkerGroup", "WorkerError", "init_ray"]
@@ -172,29 +173,20 @@ class RayWorkerGroup(WorkerGroup):
         roles: tuple[str, ...] = ("actor", "critic"),
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         init_ray(cfg)
         self.cfg, self.role = cfg, role
         self.world_size = n = cfg.trainer.workers
         ray_cfg = cfg.trainer.ray
-        bundle = {"CPU": ray_cfg.cpus_per_worker}
-        if ray_cfg.gpus_per_worker > 0:
-            bundle["GPU"] = ray_cfg.gpus_per_worker
-        self.placement = placement_group([bundle] * n, strategy=ray_cfg.placement_strategy)
+        self.placement = create_placement(ray_cfg, n)
         self._wait({0: self.placement.ready()}, "placement", cfg.trainer.call_timeout_s)
         remote = ray.remote(RankActor)
         cfg_json = json.dumps(to_dict(cfg))
         threads = max(int(ray_cfg.cpus_per_worker), 1)
         self.actors = [
-            remote.options(
-                num_cpus=ray_cfg.cpus_per_worker,
-                num_gpus=ray_cfg.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement, placement_group_bundle_index=rank
-                ),
-            ).remote(cfg_json, rank, n, threads, list(roles))
+            remote.options(**actor_options(ray_cfg, self.placement, rank)).remote(
+                cfg_json, rank, n, threads, list(roles)
+            )
             for rank in range(n)
         ]
         timeout = cfg.trainer.call_timeout_s
@@ -268,9 +260,7 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(actor, no_restart=True)
         self.actors = []
         if getattr(self, "placement", None) is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.placement)
+            remove_placement(self.placement)
             self.placement = None
 
 
