@@ -24,6 +24,7 @@ def tiny_trainer_config(out: Path, *extra: str):
     checkpoint every step, validation every 2 steps, metrics to ``out/metrics.jsonl``."""
     return load_config(
         overrides=[
+            "actor.autocast=none",  # float32 on any CPU; tests that want bf16 say so
             f"model.path={tiny_model_dir()}",
             "data.train_size=24",
             "data.val_size=4",
@@ -51,6 +52,7 @@ def tiny_learner_config(out: Path, *extra: str):
     """The async learner: groups of 2 answers, 2 prompts a step, float32, no shuffling."""
     return load_config(
         overrides=[
+            "actor.autocast=none",  # float32 on any CPU; tests that want bf16 say so
             f"model.path={tiny_model_dir()}",
             "data.train_batch_size=2",
             "rollout.n=2",
@@ -71,6 +73,7 @@ def tiny_engine_config(out: Path, *extra: str):
     """GRPO on the tiny model: 2 prompts x 2 answers of at most 8 tokens per step."""
     return load_config(
         overrides=[
+            "actor.autocast=none",  # float32 on any CPU; tests that want bf16 say so
             f"model.path={tiny_model_dir()}",
             "data.train_size=8",
             "data.val_size=2",
@@ -280,7 +283,7 @@ def padded_actor_batch(model) -> Batch:
     """A 4-row ``padded_batch`` ready for an actor update: ``model``'s old log-probs,
     advantages of +-1 and +-0.5, reference log-probs 0.1 below the old ones."""
     batch = padded_batch([6, 2, 4, 5], [5, 1, 3, 4], seed=3)
-    worker = ActorWorker(model, ActorConfig(), trainable=False)
+    worker = ActorWorker(model, ActorConfig(autocast="none"), trainable=False)  # float32
     batch["old_log_probs"], _ = worker.compute_log_prob(batch, 1.0, with_entropy=False)
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * batch["response_mask"]
     batch["ref_log_prob"] = batch["old_log_probs"] - 0.1

@@ -124,8 +124,12 @@ SETTINGS = [
 def test_compute_log_prob_and_values_equal_fixed_padded(setting: dict) -> None:
     model = tiny_lm_with_attn()
     batch = make_batch()
-    fixed = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=4), trainable=False)
-    other = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=4, **setting), trainable=False)
+    fixed = ActorWorker(
+        model, ActorConfig(log_prob_micro_batch_size=4, autocast="none"), trainable=False
+    )
+    other = ActorWorker(
+        model, ActorConfig(log_prob_micro_batch_size=4, autocast="none", **setting), trainable=False
+    )
     want_lp, want_ent = fixed.compute_log_prob(batch, 0.9)
     got_lp, got_ent = other.compute_log_prob(batch, 0.9)
     torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)

@@ -43,3 +43,28 @@ def test_the_choice_and_the_flags_behind_it_are_said(monkeypatch, native):
     )
     assert "avx512_bf16" in line and "amx_bf16" in line
     assert autocast_choice("none", "cpu") == "actor.autocast=none: the update runs in none on cpu"
+
+
+def test_under_bf16_autocast_old_log_probs_are_the_updates_and_rollout_ones_are_not_reused(
+    tmp_path,
+):
+    """actor.autocast=bf16: the log-prob pass runs under the update's autocast, so the first
+    mini-batch's ratio is 1 (ppo_kl ~0 and nothing clipped; before, float32 old log-probs
+    against a bf16 update gave ppo_kl 0.11 and 11% clipped on the main job), and the float32
+    engine's log-probs are not taken as old_log_probs."""
+    import json
+
+    from helpers import tiny_trainer_config
+
+    from creditrl.pipeline.step import rollout_log_probs_reusable
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = tiny_trainer_config(tmp_path, "actor.autocast=bf16", "actor.use_rollout_log_probs=true",
+                              "trainer.total_steps=1", "trainer.test_freq=0")  # fmt: skip
+    assert not rollout_log_probs_reusable(cfg)
+    fp32 = tiny_trainer_config(tmp_path, "actor.autocast=none", "actor.use_rollout_log_probs=true")
+    assert rollout_log_probs_reusable(fp32)
+    RLTrainer(cfg).fit()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["health/first_minibatch_clipfrac"] == 0.0
+    assert abs(row["health/first_minibatch_ppo_kl"]) < 1e-2

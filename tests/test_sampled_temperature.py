@@ -27,6 +27,7 @@ def test_the_log_prob_passes_use_the_temperature_the_batch_was_sampled_at(tmp_pa
             "rollout.n=2",
             "rollout.max_response_length=6",
             "rollout.temperature=1.0",
+            "actor.autocast=none",
             "reward.num_workers=0",
             "trainer.logger=[jsonl]",
             f"trainer.output_dir={tmp_path}",

@@ -46,7 +46,8 @@ def test_trimming_does_not_change_log_probs() -> None:
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
     assert (got[:, 2:] == 0).all() and got.shape == (2, 7)  # columns no row uses
-    worker = ActorWorker(model, ActorConfig(log_prob_micro_batch_size=1), trainable=False)
+    cfg = ActorConfig(log_prob_micro_batch_size=1, autocast="none")  # float32 on any CPU
+    worker = ActorWorker(model, cfg, trainable=False)
     log_probs, _ = worker.compute_log_prob(batch, with_entropy=False)
     torch.testing.assert_close(log_probs, want * mask)
 

@@ -29,6 +29,7 @@ from creditrl.pipeline.plan import Plan, structured_reward
 from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
 from creditrl.workers.hybrid import PREFILL_FIELD
+from creditrl.workers.precision import update_autocast
 
 __all__ = [
     "StepPipeline",
@@ -71,12 +72,16 @@ def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
 
 def rollout_log_probs_reusable(cfg: Config) -> bool:
     """The rollout's log-probs can stand for ``old_log_probs``: the engine samples from exactly
-    the actor's distribution (``creditrl.rollout.rollout_log_probs_are_actors``), and rollout
-    IS is off (it compares recomputed log-probs with the sampler's; with reused ones its
-    weights would be exactly 1, a silent no-op)."""
+    the actor's distribution (``creditrl.rollout.rollout_log_probs_are_actors``), the update
+    runs in the engine's float32 (under bf16 autocast the update's log-probs differ from the
+    engine's by ~0.03 a token, so reused ones would start the ratio away from 1 and clip ~10%
+    of tokens at the first mini-batch; they are recomputed under the update's precision), and
+    rollout IS is off (it compares recomputed log-probs with the sampler's; with reused ones
+    its weights would be exactly 1, a silent no-op)."""
     return (
         cfg.actor.use_rollout_log_probs
         and not cfg.algorithm.rollout_is.enable
+        and update_autocast(cfg) == "none"
         and rollout_log_probs_are_actors(cfg)
     )
 

@@ -41,7 +41,7 @@ from creditrl.tracking import (
 )
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
-from creditrl.workers.precision import autocast_choice, resolve_autocast
+from creditrl.workers.precision import actor_device, autocast_choice, update_autocast
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -105,10 +105,8 @@ class RLTrainer:
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.pipeline = StepPipeline(cfg, self.workers, self.reward, self.tokenizer)
         self.use_critic = self.pipeline.plan.needs_critic
-        device = "cuda" if cfg.trainer.ray.gpus_per_worker > 0 else "cpu"
-        self.health = FirstMinibatchMonitor.for_autocast(
-            resolve_autocast(cfg.actor.autocast, device)
-        )
+        device = actor_device(cfg)
+        self.health = FirstMinibatchMonitor.for_autocast(update_autocast(cfg))
         self.console.print(f"[dim]{escape(autocast_choice(cfg.actor.autocast, device))}[/dim]")
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)

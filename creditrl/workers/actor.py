@@ -105,12 +105,14 @@ class ActorWorker:
         self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs (B, T), entropys (B, T) or None) of ``responses``, micro-batched; 0 where
-        ``response_mask`` is 0."""
+        ``response_mask`` is 0. Under the update's autocast, so that ``old_log_probs`` are the
+        log-probs the update's first forward computes (the ratio starts at 1)."""
         require(batch, "input_ids", "attention_mask", "position_ids", "responses")
         self.model.eval()
         indices = self._micro_batches(batch, self.cfg.log_prob_micro_batch_size)
         forward = self._forward
-        parts = [forward(self.model, batch[idx], temperature, with_entropy) for idx in indices]
+        with self._autocast():
+            parts = [forward(self.model, batch[idx], temperature, with_entropy) for idx in indices]
         mask = batch["response_mask"].float() if "response_mask" in batch else 1.0
         log_probs = restore_order([p[0] for p in parts], indices).float() * mask
         entropy = None
