@@ -1,11 +1,10 @@
 """The weight-major product for few-row float32 CPU matrix products.
 
 For ``x`` (m, in) and a weight ``W`` (out, in), ``x @ W^T`` is computed as ``(W @ x^T)^T``
-when m is small: MKL streams the weight far faster in that layout for few rows (the
-49152 x 576 LM head of SmolLM2-135M takes ~5 ms instead of ~20 ms for 2-8 rows, and 17 / 28 /
-44 ms for 16 / 32 / 64 rows against 25 / 40 / 73 ms as ``nn.Linear``). The values are the
-same to float rounding. ``weight_major_product`` is the one product, used by the Llama decode
-step (``rollout.llama_decode``) and by ``weight_major_linears``, which patches a model's
+when m is small: MKL streams the weight far faster in that layout for few rows (figures:
+``benchmarks/results/rollout_kernels.md``). The values are the same to float rounding.
+``weight_major_product`` is the one product, used by the Llama decode step
+(``rollout.llama_decode``) and by ``weight_major_linears``, which patches a model's
 ``nn.Linear`` modules for the HF engine. Measured in ``benchmarks/bench_rollout.py``
 ("linear-as-is" switches the patch off).
 """

@@ -1,20 +1,16 @@
 """A decode step for plain Llama models on CPU, without transformers' per-layer plumbing.
 
-At a decode step of SmolLM2-135M with 16 rows, transformers' forward spent ~125 ms of which
-~32 ms went to small ops and Python around the matrix products (7-op RMSNorm, 12-op rotary,
-mask building, cache and output bookkeeping). ``LlamaDecoder.step`` computes the same
-function with fused ``rms_norm``, one product for q/k/v and one for gate/up (weights
-concatenated once per ``generate`` call, since the actor's weights change between calls), an
-additive mask built once a step, and the weight-major product of ``cpu_kernels``: ~99 ms
-against ~124 ms a step, median of 4 alternations of 40 steps on the 2-core dev box; logits
-within 5e-5 of transformers' (``tests/test_rollout.py`` pins samples and log-probs);
-``benchmarks/bench_rollout.py`` ours-full: 11.09 s against 13.42 s before. It writes into the
-engine's ``PreallocatedLayer`` cache, so prefill, row removal and the agent's kept KV are
-unchanged. The query is made contiguous before attention: the weight-major product leaves it
-row-strided, which sent SDPA to its math kernel (26 ms of a step's attention against 18 ms
-with the fused kernel; ours-full 12.4 s against 11.1 s in one process). The LM head runs in
-blocks of ``HEAD_CHUNK_ROWS`` weight rows: 13.9 ms against 17.7 ms for 16 rows with the
-weight out of cache, ~3 % of a decode step, same numbers.
+Transformers' forward spends a fifth of a small-batch CPU decode step on small ops and Python
+around the matrix products (RMSNorm, rotary, mask building, cache and output bookkeeping).
+``LlamaDecoder.step`` computes the same function with fused ``rms_norm``, one product for q/k/v
+and one for gate/up (weights concatenated once per ``generate`` call, since the actor's
+weights change between calls), an additive mask built once a step, and the weight-major
+product of ``cpu_kernels``; its logits are within 5e-5 of transformers' (``tests/test_rollout.py``
+pins samples and log-probs). It writes into the engine's ``PreallocatedLayer`` cache, so
+prefill, row removal and the agent's kept KV are unchanged. The query is made contiguous
+before attention (a row-strided one sends SDPA to its slower math kernel), and the LM head runs
+in blocks of ``HEAD_CHUNK_ROWS`` weight rows. The figures behind each choice, and the command
+that gives them: ``benchmarks/results/rollout_kernels.md``.
 
 Used only where it is exactly the model's function: ``type(model) is LlamaForCausalLM`` (a
 subclass may change ``forward``), float32 on CPU, sdpa or eager attention, SiLU MLP, no

@@ -108,10 +108,10 @@ def inverse_cdf_sample(
     float64 CDF inside that block, rescaled to the block's mass, picks the token. A token is
     therefore drawn with probability (block mass / total) x (p_i / sum of its block): its
     probability up to the rounding of one block sum (~1e-7 relative in float32); a
-    zero-probability token is never chosen. Measured on the 2-core dev box, 16 x 49k tokens: a
-    float64 cumsum of every token took ~7 ms a decode step, this ~1 ms; one uniform per row
-    costs about 10x less than ``torch.multinomial``. ``with_totals`` also returns the float64
-    row totals (N,) the draw used.
+    zero-probability token is never chosen; it avoids a float64 copy of every token, and one
+    uniform per row costs far less than ``torch.multinomial`` (figures:
+    ``benchmarks/results/rollout_kernels.md``). ``with_totals`` also returns the float64 row
+    totals (N,) the draw used.
     """
     n, vocab = probs.shape
     pad = (-vocab) % _BLOCK
