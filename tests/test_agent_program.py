@@ -114,7 +114,13 @@ def test_a_program_that_rewrites_its_history_is_counted_and_located(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    "name,status", [("raises", "error"), ("never_calls", "no_model_call"), ("sleeps", "timeout")]
+    "name,status",
+    [
+        ("raises", "error"),
+        ("never_calls", "no_model_call"),
+        ("sleeps", "timeout"),
+        ("long_first_request", "error"),
+    ],
 )
 def test_failed_episodes_are_counted_and_scored_the_fallback(tmp_path: Path, name, status) -> None:
     """An episode that raises, never calls the model, or runs past its timeout (the program
@@ -129,8 +135,11 @@ def test_failed_episodes_are_counted_and_scored_the_fallback(tmp_path: Path, nam
         w.rollout.close()
     assert [info["episode"] for info in batch["agent_info"]] == [status] * len(batch)
     assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0] * len(batch)
-    if status == "error":
+    if name == "raises":
         assert "RuntimeError: the agent crashed" in batch["agent_info"][0]["episode_error"]
+    if name == "long_first_request":  # refused as the async learner would refuse its width
+        assert "more than data.max_prompt_length" in batch["agent_info"][0]["episode_error"]
+        assert batch.meta["endpoint"]["refused"] == len(batch)
 
 
 def test_the_endpoint_refuses_with_openai_errors(worker) -> None:

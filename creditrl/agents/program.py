@@ -164,6 +164,7 @@ class ProgramRollout:
         rollout_cfg: RolloutConfig,
         *,
         fallback_score: float = 0.0,
+        max_prompt_length: int | None = None,
         turn_generator: TurnGenerator | None = None,
     ) -> None:
         if agent_cfg.program is None:
@@ -173,6 +174,7 @@ class ProgramRollout:
         self.cfg = agent_cfg
         self.rollout_cfg = rollout_cfg
         self.fallback_score = float(fallback_score)
+        self.max_prompt_length = max_prompt_length
         self.program = load_program(agent_cfg.program)
         self.turns = turn_generator or EngineTurnGenerator(
             engine,
@@ -357,7 +359,17 @@ class ProgramRollout:
                 400, "messages must be objects with a role", "invalid_request_error", "bad_request"
             )
         tools = body.get("tools")
+        first = transcript.trajectory is None
         ids = transcript.context(messages, tools)
+        if first and self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+            transcript.trajectory = None  # nothing recorded: the episode never started
+            raise EndpointError(
+                400,
+                f"the first request renders to {len(ids)} tokens, more than "
+                f"data.max_prompt_length={self.max_prompt_length}",
+                "invalid_request_error",
+                "prompt_too_long",
+            )
         room = transcript.room() if transcript.recording else self.rollout_cfg.max_response_length
         cap = self._options(body, room)
         turn = transcript.turn + 1

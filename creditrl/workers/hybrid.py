@@ -226,6 +226,7 @@ class HybridWorker:
                 cfg.agent,
                 cfg.rollout,
                 fallback_score=cfg.reward.fallback_score,
+                max_prompt_length=cfg.data.max_prompt_length,
             )
         elif cfg.agent.enable:
             from creditrl.agents.rollout import AgentRollout

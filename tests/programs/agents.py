@@ -51,3 +51,10 @@ async def sleeps(row, client):
 
 def not_async(row, client):
     return 1.0
+
+
+async def long_first_request(row, client):
+    """A first request far past data.max_prompt_length."""
+    messages = [*row["messages"], {"role": "user", "content": "word " * 3000}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    return 1.0
