@@ -4,6 +4,7 @@ GSPO and GRPO loss values against hand computation, and the LoRA weight round tr
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,24 @@ def test_settings_the_async_pair_cannot_honour_are_named(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         check_async_config(tiny_learner_config(tmp_path, *override.split()))
+
+
+def test_a_tampered_weight_pointer_is_refused_and_nothing_outside_is_loaded(tmp_path: Path) -> None:
+    """``latest`` naming a folder outside the published versions (``../elsewhere``), a version
+    that is no number, or a pointer nested deep: one ValueError naming the pointer, and no
+    weights are read from anywhere else (before: the sampler loaded whatever folder it named,
+    and a deep pointer was a RecursionError)."""
+    root = tmp_path / "weights"
+    model = load_causal_lm(tiny_model_dir())
+    WeightPublisher(root).publish(model, 3)
+    assert WeightSubscriber(root).latest() == 3
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(root / "v00000003", elsewhere)
+    for text, message in (
+        ('{"version": 4, "dir": "../elsewhere"}', "names folder '../elsewhere', not v00000004"),
+        ('{"version": "4", "dir": "v00000004"}', "no version number"),
+        ('{"version": ' + "[" * 1000 + "]" * 1000 + "}", "nested 1001 deep, above the limit of 4"),
+    ):
+        (root / "latest").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            WeightSubscriber(root).maybe_load(model, 0)

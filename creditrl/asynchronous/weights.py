@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from creditrl.bounded_json import JsonLimits, read_json_file
+
 __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
@@ -40,6 +42,7 @@ __all__ = [
 WEIGHTS_FILE = "weights.safetensors"
 META_FILE = "meta.json"
 POINTER = "latest"
+_POINTER_LIMITS = JsonLimits(max_bytes=4096, max_depth=4, max_items=64)  # latest, meta.json
 LORA_SYNC = ("merged", "adapter")
 
 
@@ -206,25 +209,39 @@ class WeightSubscriber:
 
     def latest(self) -> int | None:
         """The published version ``latest`` names, or None before the first publication."""
+        pointer = self._pointer()
+        return None if pointer is None else pointer[0]
+
+    def _pointer(self) -> tuple[int, Path] | None:
+        """(version, folder) that ``latest`` names, or None before the first publication; a
+        pointer that is not what ``publish`` writes (bounded JSON, a non-negative int version,
+        the folder ``v<version:08d>`` directly under the root) is a ValueError naming it."""
         try:
-            return int(json.loads((self.root / POINTER).read_text())["version"])
+            pointer = read_json_file(self.root / POINTER, _POINTER_LIMITS)
         except FileNotFoundError:
             return None
+        version = pointer.get("version") if isinstance(pointer, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"{self.root / POINTER}: no version number in it")
+        if pointer.get("dir") != f"v{version:08d}":
+            raise ValueError(
+                f"{self.root / POINTER}: names folder {str(pointer.get('dir'))[:80]!r}, not "
+                f"v{version:08d} (only published versions under {self.root} are loaded)"
+            )
+        return version, self.root / f"v{version:08d}"
 
     def maybe_load(self, model: torch.nn.Module, current: int, attempts: int = 5) -> int:
         """Load the newest version into ``model`` if it is newer than ``current``; returns the
         version ``model`` now holds. A version pruned while being read is retried."""
         for _ in range(attempts):
-            try:
-                pointer = json.loads((self.root / POINTER).read_text())
-            except FileNotFoundError:
+            pointer = self._pointer()
+            if pointer is None:
                 return current
-            version = int(pointer["version"])
+            version, folder = pointer
             if version <= current:
                 return current
-            folder = self.root / pointer["dir"]
             try:
-                meta = json.loads((folder / META_FILE).read_text())
+                meta = read_json_file(folder / META_FILE, _POINTER_LIMITS)
                 tensors = load_tensors(folder / WEIGHTS_FILE)
             except FileNotFoundError:
                 continue
