@@ -9,13 +9,13 @@ cut; the kept ids are a prefix of the sampled ones, so they remain the policy's 
 
 ``EngineTurnGenerator`` adapts any engine with the rollout interface
 (``creditrl.rollout.RolloutEngine``: ``generate(prompts: Batch, greedy=..., temperature=...) ->
-Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). For an
-``HFRolloutEngine`` (or a subclass) it runs a shallow copy that shares the model, tokenizer,
-EOS ids and random generator, with ``max_response_length`` = the per-turn cap, so no turn
-samples past it; other engines sample up to their own cap and the turn is cut.
+Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). An engine that offers
+``capped(max_new_tokens)`` (the HF engine: a view sharing its model, EOS ids and generator)
+samples no turn past the per-turn cap; other engines sample up to their own cap and the turn
+is cut. Nothing here asks which engine it is: it reads what the engine offers.
 
-With ``keep_kv_cache`` and an HF engine whose ``generate`` is the HF engine's own and whose
-model's cache layers are all full attention (``HFRolloutEngine.keeps_turn_kv``), each sample's
+With ``keep_kv_cache`` and an engine whose ``keeps_turn_kv()`` says so (the HF engine, with
+its own ``generate`` and a model whose cache layers are all full attention), each sample's
 KV cache is kept between its turns (``creditrl.rollout.turn_cache``, keyed by
 ``TurnRequest.sample``; a negative sample is never cached), so a turn prefills only the tokens
 appended since the previous one: that turn's last sampled token and the observation. The
@@ -24,8 +24,6 @@ loop calls ``end_run()`` at the end of every run, which frees them.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +31,6 @@ from typing import Any, Protocol
 import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
-from creditrl.rollout.hf_engine import HFRolloutEngine
 from creditrl.rollout.turn_cache import TurnKVCache
 
 __all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
@@ -144,23 +141,16 @@ class EngineTurnGenerator:
         self.turn_cache: TurnKVCache | None = None
         self.run_stats: dict[str, float | None] = {"prefill_tokens": 0.0}
         self.last_run_stats: dict[str, float | None] = {}
-        if isinstance(engine, HFRolloutEngine):
-            own_generate = type(engine).generate is HFRolloutEngine.generate
-            if keep_kv_cache and own_generate and engine.keeps_turn_kv():
-                self.turn_cache = TurnKVCache()
-            eos = [int(t) for t in engine.eos_token_ids.tolist()]
-            self.eos_token_ids = eos
-            cap = engine.cfg.max_response_length
-            if 0 < max_tokens_per_turn < cap:  # same class, model, EOS ids and generator
-                self.turn_engine = copy.copy(engine)
-                self.turn_engine.cfg = dataclasses.replace(
-                    engine.cfg, max_response_length=max_tokens_per_turn
-                )
-        else:
-            eos = getattr(engine, "eos_token_ids", None)
-            if eos is None:
-                eos = [tokenizer.eos_token_id]
-            self.eos_token_ids = [int(t) for t in (eos.tolist() if hasattr(eos, "tolist") else eos)]
+        keeps = getattr(engine, "keeps_turn_kv", None)
+        if keep_kv_cache and callable(keeps) and keeps():
+            self.turn_cache = TurnKVCache()
+        eos = getattr(engine, "eos_token_ids", None)
+        if eos is None:
+            eos = [tokenizer.eos_token_id]
+        self.eos_token_ids = [int(t) for t in (eos.tolist() if hasattr(eos, "tolist") else eos)]
+        capped = getattr(engine, "capped", None)
+        if max_tokens_per_turn > 0 and callable(capped):
+            self.turn_engine = capped(max_tokens_per_turn)
 
     def generate_turns(
         self,

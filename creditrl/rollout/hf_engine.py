@@ -32,6 +32,8 @@ settings and stop ids come from ``rollout.sampling``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import time
 from collections.abc import Hashable, Iterable, Sequence
@@ -212,10 +214,22 @@ class HFRolloutEngine(RolloutEngine):
         return self._sample(prompts, greedy, temperature, list(keys), turn_cache)
 
     def keeps_turn_kv(self) -> bool:
-        """Whether every cache layer of the model is a full-attention ``PreallocatedLayer``:
-        then a turn's KV can be kept and continued (``generate_with_turn_cache``)."""
+        """Whether a turn's KV can be kept and continued (``generate_with_turn_cache``): every
+        cache layer of the model is a full-attention ``PreallocatedLayer``, and ``generate`` is
+        this class's own (a subclass that changes it must not be bypassed by the kept path)."""
+        if type(self).generate is not HFRolloutEngine.generate:
+            return False
         cache = preallocated_cache(self.model, 1)
         return bool(cache.layers) and all(type(x) is PreallocatedLayer for x in cache.layers)
+
+    def capped(self, max_new_tokens: int) -> HFRolloutEngine:
+        """This engine sampling at most ``max_new_tokens`` a call: a shallow copy sharing the
+        model, tokenizer, EOS ids and random generator (itself when the cap is not lower)."""
+        if not 0 < max_new_tokens < self.cfg.max_response_length:
+            return self
+        view = copy.copy(self)
+        view.cfg = dataclasses.replace(self.cfg, max_response_length=max_new_tokens)
+        return view
 
     def _sample(
         self,
