@@ -321,8 +321,10 @@ async def _watch(
     proc: asyncio.subprocess.Process, cap: int, timeout: float, stop: Callable[[], None]
 ) -> tuple:
     """Read stdout (up to ``cap`` bytes) and stderr (up to ``ERR_CAP``, whose tail is kept for
-    the error text) until the process ends; ``stop`` it when a pipe passes its cap;
-    TimeoutError after ``timeout`` seconds."""
+    the error text) until the process ends; ``stop`` it when a pipe passes its cap, and again
+    every 0.1 s while it runs on (the sandbox init's pid may not be known at the first
+    attempt, and nothing reads the capped pipe any more); TimeoutError after ``timeout``
+    seconds."""
     tasks = [
         asyncio.ensure_future(_read_capped(proc.stdout, cap)),
         asyncio.ensure_future(_read_capped(proc.stderr, max(cap, ERR_CAP))),
@@ -331,14 +333,19 @@ async def _watch(
     deadline = loop.time() + timeout
     try:
         pending = set(tasks)
+        stopping = False
         while pending:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TimeoutError
+            wait = min(remaining, 0.1) if stopping else remaining
             done, pending = await asyncio.wait(
-                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
-            if any(task.result()[1] for task in done):
+            if not stopping and any(task.result()[1] for task in done):
+                stopping = True
+                _close_pipes(proc)  # a writer past its cap gets EPIPE even if the kill misses
+            if stopping and proc.returncode is None:
                 stop()
         await asyncio.wait_for(proc.wait(), max(deadline - loop.time(), 0.1))
     finally:
@@ -346,6 +353,17 @@ async def _watch(
             task.cancel()
     (out, more_out), (err, more_err) = (task.result() for task in tasks)
     return out, more_out, err, more_err
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close this end of the child's stdout and stderr: nothing more is read from them once a
+    cap is passed, and a process still writing (one the kill has not reached yet, or one that
+    holds a copy of the pipe) then fails with EPIPE instead of blocking on a full pipe."""
+    transport = getattr(proc, "_transport", None)
+    for fd in (1, 2):
+        pipe = transport.get_pipe_transport(fd) if transport is not None else None
+        if pipe is not None:
+            pipe.close()
 
 
 @register_tool("python")
