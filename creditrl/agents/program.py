@@ -19,7 +19,8 @@ episode is waiting for a completion, with the requests in episode order.
 The program returns a reward (a float, or a scorer dict with "score") or None: then the
 configured scorer scores the final conversation. An episode that raises, runs past its timeout
 or never calls the model is scored ``reward.fallback_score`` (``agent_info["episode"]`` says
-why, ``agent/episode_*`` counts it). The batch holds exactly what the built-in loop's holds:
+why: "error", "timeout", "no_model_call" or "bad_reward" against "ok"; ``agent/episodes_*``
+counts them). The batch holds exactly what the built-in loop's holds:
 prompts (the first request, rendered), responses, masks, turn ids, rollout log-probs,
 ``messages``, ``agent_info`` (with ``endpoint_drift``: each request whose rendering differed
 from the recorded ids, at its first diverging token).
@@ -44,7 +45,7 @@ from creditrl.agents.chat import ChatFormat
 from creditrl.agents.endpoint import Endpoint, EndpointError
 from creditrl.agents.loop import Trajectory, turn_seed
 from creditrl.agents.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
-from creditrl.agents.rollout import agent_metrics, trajectories_to_batch
+from creditrl.agents.rollout import EngineRollout, agent_metrics, trajectories_to_batch
 from creditrl.agents.transcript import Transcript
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config.schema import AgentConfig, RolloutConfig
@@ -57,9 +58,8 @@ from creditrl.rollout.continuation import (
 )
 from creditrl.usercode import load_user_object
 
-__all__ = ["EPISODE_STATUSES", "ProgramRollout", "load_program"]
+__all__ = ["ProgramRollout", "load_program"]
 
-EPISODE_STATUSES = ("ok", "error", "timeout", "no_model_call", "bad_reward")
 _RUNS = itertools.count()
 
 
@@ -152,7 +152,7 @@ class _Run:
                 future.set_result(out)
 
 
-class ProgramRollout:
+class ProgramRollout(EngineRollout):
     """Episodes of ``agent.program`` through the endpoint, as a rollout engine (see the module
     docstring). ``turn_generator`` replaces the engine adapter (tests pass a scripted one)."""
 
@@ -169,8 +169,7 @@ class ProgramRollout:
     ) -> None:
         if agent_cfg.program is None:
             raise ValueError("ProgramRollout needs agent.program")
-        self.engine = engine
-        self.tokenizer = tokenizer
+        super().__init__(engine, tokenizer)
         self.cfg = agent_cfg
         self.rollout_cfg = rollout_cfg
         self.fallback_score = float(fallback_score)
@@ -185,21 +184,8 @@ class ProgramRollout:
         )
         self.chat = ChatFormat(tokenizer, agent_cfg.tool_role)
         self.renders_tool_calls = "tool_calls" in (tokenizer.chat_template or "")
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.endpoint: Endpoint | None = None
         self.live: dict[str, tuple[_Run, Transcript, list[int] | None]] = {}
-        self.last_metrics: dict[str, float] = {}
-        self.last_trajectories: list[Trajectory] = []
-        self.last_stats: dict[str, float] = {}
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return getattr(self.engine, "generator", None)
-
-    @property
-    def model(self) -> Any:
-        return self.engine.model
 
     def _endpoint(self) -> Endpoint:
         if self.endpoint is None:

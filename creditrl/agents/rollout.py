@@ -34,7 +34,13 @@ from creditrl.config.schema import AgentConfig, RolloutConfig
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnGenerator
 from creditrl.tools import TOOL_STATUSES, ToolRegistry, build_registry
 
-__all__ = ["AGENT_FIELDS", "AgentRollout", "agent_metrics", "trajectories_to_batch"]
+__all__ = [
+    "AGENT_FIELDS",
+    "AgentRollout",
+    "EngineRollout",
+    "agent_metrics",
+    "trajectories_to_batch",
+]
 
 AGENT_FIELDS = ("messages", "tool_calls", "agent_info", DRIFT_FIELD)
 _DUMPED = ("num_turns", "agent_info", "tool_calls", DRIFT_FIELD)
@@ -147,7 +153,31 @@ def _program_metrics(batch: Batch, infos: list[dict[str, Any]]) -> dict[str, flo
     return metrics
 
 
-class AgentRollout:
+class EngineRollout:
+    """What every multi-turn rollout over ``engine`` shares: the pad id, the latest batch's
+    metrics, trajectories and stats, and the engine's generator and model (weight syncs and
+    checkpoints see the engine's)."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        self.last_metrics: dict[str, float] = {}
+        self.last_trajectories: list[Trajectory] = []
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return getattr(self.engine, "generator", None)
+
+    @property
+    def model(self) -> Any:
+        """The engine's model."""
+        return self.engine.model
+
+
+class AgentRollout(EngineRollout):
     """Multi-turn rollouts through ``engine``; see the module docstring.
 
     ``turn_generator`` replaces the engine adapter (tests pass a scripted one); ``tools``
@@ -165,8 +195,7 @@ class AgentRollout:
         tools: ToolRegistry | None = None,
         turn_generator: TurnGenerator | None = None,
     ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
+        super().__init__(engine, tokenizer)
         self.cfg = agent_cfg
         self.turns = turn_generator or EngineTurnGenerator(
             engine,
@@ -184,20 +213,6 @@ class AgentRollout:
         self.loop = AgentLoop(
             self.turns, tokenizer, self.tools, agent_cfg, rollout_cfg.max_response_length
         )
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
-        self.last_metrics: dict[str, float] = {}
-        self.last_trajectories: list[Trajectory] = []
-        self.last_stats: dict[str, float] = {}
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return getattr(self.engine, "generator", None)
-
-    @property
-    def model(self) -> Any:
-        """The engine's model (weight syncs and checkpoints see the engine's)."""
-        return self.engine.model
 
     def generate(
         self,
