@@ -13,8 +13,9 @@ a rank share one process and its device. Batches travel as ``Batch.to_bytes()`` 
 
 Faults: every call waits with ``ray.wait`` up to ``trainer.call_timeout_s``; a rank whose
 process died, or whose call raised, ends the call with a ``WorkerError`` naming the role and
-rank, and the group kills its remaining actors so none is left blocked in a collective (those
-also time out after ``trainer.collective_timeout_s``).
+rank (a rank whose collective failed names the peer that died, when one did within
+``DEATH_GRACE_S``), and the group kills its remaining actors so none is left blocked in a
+collective (those also time out after ``trainer.collective_timeout_s``).
 
 Network: a cluster started here (no ``trainer.ray.address`` / ``$RAY_ADDRESS``) listens on
 127.0.0.1 only, and so does its workers' process group (``creditrl.workers.distributed``); on a
@@ -44,6 +45,7 @@ from creditrl.controller.worker_group import METHODS, WorkerGroup
 __all__ = ["RankActor", "RayWorkerGroup", "RoutedWorkerGroup", "WorkerError", "init_ray"]
 
 log = logging.getLogger(__name__)
+DEATH_GRACE_S = 10.0  # how long a failed call waits to see whether a peer rank died
 
 
 class WorkerError(RuntimeError):
@@ -246,12 +248,40 @@ class RayWorkerGroup(WorkerGroup):
                     f"{self.role} rank {rank} died during {what}: {type(err).__name__}"
                 ) from None
             except (RayTaskError, GetTimeoutError) as err:
-                self.shutdown()
                 cause = getattr(err, "cause", err)
-                raise WorkerError(
+                failed = (
                     f"{self.role} rank {rank} failed in {what}: {type(cause).__name__}: {cause}"
-                ) from None
+                )
+                dead = self._dead_rank(pending, by_ref, deadline)
+                self.shutdown()
+                if dead is not None:  # the root cause: a collective fails when a peer dies
+                    raise WorkerError(
+                        f"{self.role} rank {dead} died during {what} (then {failed})"
+                    ) from None
+                raise WorkerError(failed) from None
         return [answers[r] for r in sorted(answers)]
+
+    @staticmethod
+    def _dead_rank(pending: list, by_ref: dict, deadline: float) -> int | None:
+        """The rank among ``pending`` whose process died, waiting up to ``DEATH_GRACE_S`` (a
+        peer's death reaches the surviving ranks' collectives before Ray reports it)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        grace = time.monotonic() + min(DEATH_GRACE_S, max(deadline - time.monotonic(), 0))
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(grace - time.monotonic(), 0)
+            )
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0])
+            except RayActorError:
+                return by_ref[ready[0]]
+            except Exception:  # another failure, not a death: keep looking
+                continue
+        return None
 
     def shutdown(self) -> None:
         import ray
