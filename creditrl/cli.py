@@ -93,16 +93,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _doc(args: argparse.Namespace, console: Console) -> int:
-    """``config --doc [SECTION] [--markdown]``: the keys' docs on stdout (defaults only)."""
+    """``config [CONFIG] [overrides] --doc [SECTION] [--markdown]``: the keys' docs on stdout
+    (defaults only); a CONFIG or overrides are loaded first, only so that the options declared
+    by their ``trainer.extensions`` are listed too."""
     from creditrl.config.doc import render_markdown, render_text
 
     if args.doc is None:
         raise UserError("--markdown goes with --doc: creditrl config --doc [SECTION] --markdown")
-    if args.args:
-        raise UserError(
-            f"config --doc documents the defaults and takes no CONFIG or overrides, got "
-            f"{' '.join(args.args)}; run creditrl config {' '.join(args.args)} to resolve them"
-        )
+    items = list(args.args)
+    if "=" in args.doc:  # `config --doc key=value`: argparse took the override as SECTION
+        items, args.doc = [*items, args.doc], ""
+    if items:
+        load_config_with_sources(*_split_args(items))
     if args.markdown:
         sys.stdout.write(render_markdown(args.doc or None))
     else:

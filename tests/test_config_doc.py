@@ -104,11 +104,14 @@ def test_unknown_section_is_one_line_exit_2(capsys) -> None:
     assert "algorithm.rollout_is" in lines[0] and "did you mean 'actor'?" in lines[0]
 
 
-def test_doc_refuses_a_config_or_overrides(capsys) -> None:
-    """--doc documents the defaults: a CONFIG or override with it is a one-line error."""
-    assert main(["config", "rollout.n=3", "--doc"]) == 2
+def test_doc_loads_overrides_but_documents_the_defaults(capsys) -> None:
+    """--doc with overrides loads them (for their trainer.extensions: a bad value is a one-line
+    error) and still prints the defaults."""
+    assert main(["config", "rollout.n=0", "--doc", "rollout.n"]) == 2
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and "rollout.n=3" in lines[0]
+    assert len(lines) == 1 and "rollout.n=0" in lines[0]
+    assert main(["config", "rollout.n=3", "--doc", "rollout.n"]) == 0
+    assert "rollout.n: int = 4" in capsys.readouterr().out
 
 
 def test_registered_choices_appear(capsys) -> None:

@@ -195,3 +195,166 @@ def test_a_tool_from_the_tool_config_is_called_by_the_agent_loop(tmp_path: Path)
     dump = [json.loads(line) for line in (out / "rollouts" / "step_000001.jsonl").open()]
     record = dump[0]["reward_extra"]["tool_calls"][0]
     assert (record["name"], record["output"]) == ("word_count", "3 words")
+
+
+# --- Extensions that bring their own config keys, each from one file -------------------------
+
+ENGINE_FILE = '''
+from creditrl.config import Option, Range
+from creditrl.rollout import HFRolloutEngine, register_rollout_engine
+
+
+@register_rollout_engine("stamped_hf")
+class StampedEngine(HFRolloutEngine):
+    """The HF engine, stamping every response with its own option; cannot sample from LoRA."""
+
+    supports_lora = False
+    options = (Option("stamp", 7, "The number written on every response.", range=Range(1)),)
+
+    def generate(self, prompts, **kwargs):
+        batch = super().generate(prompts, **kwargs)
+        batch["engine_stamp"] = [self.cfg.engine_kwargs["stamp"]] * len(batch)
+        return batch
+'''
+
+LOSS_FILE = """
+from creditrl.config import Option, Range
+from creditrl.core import compute_policy_loss_ppo, register_policy_loss
+
+
+@register_policy_loss(
+    "ppo_shifted",
+    options=("clip_ratio", Option("shift", 0.0, "Added to the loss.", range=Range(-10, 10))),
+)
+def ppo_shifted(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                config=None, rollout_is_weights=None, **agg_kwargs):
+    loss, metrics = compute_policy_loss_ppo(old_log_prob, log_prob, advantages, response_mask,
+                                            loss_agg_mode, config, rollout_is_weights,
+                                            **agg_kwargs)
+    return loss + config.kwargs["shift"], metrics
+"""
+
+
+def _extension(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return f"trainer.extensions=[{path}]"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    from creditrl.cli import main
+
+    assert main(argv) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_engine_file_brings_its_option_and_trait(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine registered in one file (named by trainer.extensions) with an Option and the
+    supports_lora trait: `config --doc` lists rollout.engine_kwargs.stamp, `config` refuses a
+    bad stamp, an undeclared option and LoRA with one line each, and a training step's
+    responses carry the stamp the config gave."""
+    from creditrl.cli import main
+
+    ext = _extension(tmp_path, "stamped_engine.py", ENGINE_FILE)
+    assert main(["config", ext, "--doc", "rollout.engine_kwargs.stamp"]) == 0
+    doc = capsys.readouterr().out
+    assert "rollout.engine_kwargs.stamp: int = 7" in doc
+    assert "allowed: >= 1" in doc and "with rollout.engine=stamped_hf" in doc
+    base = ["config", ext, "rollout.engine=stamped_hf"]
+    error = _one_line_error(capsys, [*base, "rollout.engine_kwargs.stamp=0"])
+    assert "rollout.engine_kwargs.stamp=0 must be >= 1" in error
+    error = _one_line_error(capsys, [*base, "rollout.engine_kwargs.stamp=two"])
+    assert "rollout.engine_kwargs.stamp='two' is not an int" in error
+    error = _one_line_error(capsys, [*base, "rollout.engine_kwargs.stmp=3"])
+    assert "rollout.engine_kwargs.stmp: not an option of rollout.engine=stamped_hf" in error
+    assert "declares stamp" in error
+    error = _one_line_error(capsys, [*base, "model.lora_rank=8"])
+    assert "rollout.engine=stamped_hf with model.lora_rank > 0" in error
+    error = _one_line_error(capsys, ["config", ext, "rollout.engine_kwargs.stamp=3"])
+    assert "not an option of rollout.engine=hf (it declares none)" in error
+
+    cfg = tiny_trainer_config(tmp_path / "run", ext, "rollout.engine=stamped_hf", *ONE_STEP)
+    assert cfg.rollout.engine_kwargs == {"stamp": 7}  # the declared default, filled in
+    cfg = tiny_trainer_config(
+        tmp_path / "run", ext, "rollout.engine=stamped_hf", "rollout.engine_kwargs.stamp=3",
+        *ONE_STEP,
+    )  # fmt: skip
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    assert list(trainer.last_batch["engine_stamp"]) == [3] * 4
+
+
+def test_a_loss_file_brings_its_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loss registered in one file with an Option of its own: listed by `config --doc`,
+    refused out of range or mistyped with one line, and read by the loss at every micro-batch
+    (the shift shows in actor/pg_loss)."""
+    from creditrl.cli import main
+
+    ext = _extension(tmp_path, "shifted_loss.py", LOSS_FILE)
+    assert main(["config", ext, "--doc", "actor"]) == 0
+    doc = capsys.readouterr().out
+    assert "actor.policy_loss_kwargs.shift: float = 0" in doc
+    assert "allowed: in [-10, 10]" in doc and "with actor.policy_loss=ppo_shifted" in doc
+    base = ["config", ext, "actor.policy_loss=ppo_shifted"]
+    error = _one_line_error(capsys, [*base, "actor.policy_loss_kwargs.shift=11"])
+    assert "actor.policy_loss_kwargs.shift=11 must be in [-10, 10]" in error
+    error = _one_line_error(capsys, [*base, "actor.policy_loss_kwargs.shift=true"])
+    assert "actor.policy_loss_kwargs.shift=true is not a number" in error
+
+    cfg = tiny_trainer_config(
+        tmp_path / "run", ext, "actor.policy_loss=ppo_shifted",
+        "actor.policy_loss_kwargs.shift=5", *ONE_STEP,
+    )  # fmt: skip
+    assert cfg.actor.policy_loss_kwargs == {"shift": 5.0}
+    RLTrainer(cfg).fit()
+    assert read_metrics(tmp_path / "run")[1]["actor/pg_loss"] > 4.0
+
+
+NEW_KEY = '''    total_steps: int = field(default=30, metadata=meta(range=AT_LEAST_1))
+    """Training steps, each over data.train_batch_size prompts."""
+    warm_prompts: int = field(default=3, metadata=meta(range=AT_LEAST_1))
+    """Prompts to warm up on (a key added for tests/test_extending.py)."""
+'''
+
+
+def test_a_config_key_is_added_in_schema_py_alone(tmp_path: Path) -> None:
+    """A copy of the package with one field added to config/schema.py (its type, default,
+    range and doc in that one place): `config --doc` lists it, `config` refuses a bad value
+    with one line, and a good one reaches the resolved config."""
+    import shutil
+    import subprocess
+    import sys
+
+    import creditrl
+
+    package = Path(creditrl.__file__).parent
+    copy = tmp_path / "creditrl"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    schema = copy / "config" / "schema.py"
+    old = NEW_KEY.split("    warm_prompts")[0]
+    text = schema.read_text()
+    assert text.count(old) == 1
+    schema.write_text(text.replace(old, NEW_KEY))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        code = f"import sys; from creditrl.cli import main; sys.exit(main({list(argv)!r}))"
+        env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "COLUMNS": "100"}
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    doc = cli("config", "--doc", "trainer.warm_prompts")
+    assert doc.returncode == 0, doc.stderr
+    assert "trainer.warm_prompts: int = 3" in doc.stdout and "allowed: >= 1" in doc.stdout
+    assert "Prompts to warm up on" in doc.stdout
+    bad = cli("config", "trainer.warm_prompts=0")
+    assert bad.returncode == 2
+    lines = bad.stdout.strip().splitlines()
+    assert len(lines) == 1 and "trainer.warm_prompts=0 must be >= 1" in lines[0]
+    good = cli("config", "trainer.warm_prompts=5")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "warm_prompts: 5" in good.stdout

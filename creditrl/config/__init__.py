@@ -1,6 +1,8 @@
 """Typed configs with YAML files and ``a.b=c`` overrides, checked in one place (``validate``)."""
 
+from creditrl.config.fields import Range
 from creditrl.config.loader import LoadedConfig, load_config, load_config_with_sources
+from creditrl.config.options import Option
 from creditrl.config.schema import (
     ActorConfig,
     AgentConfig,
@@ -29,6 +31,8 @@ __all__ = [
     "LoadedConfig",
     "ModelConfig",
     "OptimConfig",
+    "Option",
+    "Range",
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",

@@ -24,6 +24,7 @@ from typing import Any
 
 from creditrl.config import schema
 from creditrl.config.fields import choices_of, choices_text, format_value
+from creditrl.config.options import declared_keys
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
 
@@ -122,13 +123,30 @@ def section_docs(root: Any = None) -> list[SectionDoc]:
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             allowed = _allowed(f.metadata, kind.startswith("list"))
             keys.append(KeyDoc(key, kind, value, allowed, _plain(docs.get(f.name, ""))))
+            if "options_for" in f.metadata:
+                keys += _option_docs(root_node, key, f.metadata["options_for"])
         if keys:
             out.append(SectionDoc(name, _class_docs(cls)[0], keys))
         for child, key in children:
             walk(child, key)
 
-    walk(root if root is not None else Config(), "")
+    root_node = root if root is not None else Config()
+    walk(root_node, "")
     return out
+
+
+def _option_docs(root: Any, key: str, selector: str) -> list[KeyDoc]:
+    """The options registered entries declare under ``key`` (``creditrl.config.options``)."""
+    return [
+        KeyDoc(
+            found.key,
+            found.option.type_name,
+            found.option.default,
+            found.option.allowed(),
+            _plain(f"{found.option.doc} (with {found.owner})".strip()),
+        )
+        for found in declared_keys(root, key, selector)
+    ]
 
 
 def _select(sections: list[SectionDoc], wanted: str | None) -> list[SectionDoc]:

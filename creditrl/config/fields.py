@@ -86,11 +86,18 @@ def meta(
     choices: tuple[str, ...] | None = None,
     choices_from: str | None = None,
     user_code: bool = False,
+    options_for: str | None = None,
 ) -> dict[str, Any]:
     """Field metadata: the allowed ``range``, or ``choices``, or ``choices_from`` (a
     ``"module:NAME"`` registry, collection or function of the names); ``user_code``: a
-    ``file.py:name`` spec is accepted too."""
-    given = {"range": range, "choices": choices, "choices_from": choices_from}
+    ``file.py:name`` spec is accepted too; ``options_for``: this mapping holds the ``Option``s
+    declared by the entry that key selects (``creditrl.config.options``)."""
+    given = {
+        "range": range,
+        "choices": choices,
+        "choices_from": choices_from,
+        "options_for": options_for,
+    }
     out: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
     return {**out, "user_code": True} if user_code else out
 

@@ -31,7 +31,12 @@ from omegaconf.errors import (
 
 from creditrl.config.limits import MAX_CONFIG_BYTES, check_override, check_yaml, shorten
 from creditrl.config.schema import Config
-from creditrl.config.validate import format_value, unused_settings, validate_config
+from creditrl.config.validate import (
+    format_value,
+    import_extensions,
+    unused_settings,
+    validate_config,
+)
 from creditrl.config.verl_names import creditrl_name
 from creditrl.errors import ConfigError
 
@@ -315,8 +320,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> Config:
-    """Inverse of ``to_dict`` (how a config travels to a worker process, as JSON)."""
-    return OmegaConf.to_object(_merge(OmegaConf.structured(Config), data, "a config dict"))
+    """Inverse of ``to_dict`` (how a config travels to a worker process, as JSON); imports its
+    ``trainer.extensions`` so the worker knows what they register."""
+    cfg = OmegaConf.to_object(_merge(OmegaConf.structured(Config), data, "a config dict"))
+    import_extensions(cfg)
+    return cfg
 
 
 def save_resolved_config(cfg: Config, path: str | Path) -> None:

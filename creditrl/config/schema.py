@@ -97,6 +97,10 @@ class RolloutConfig:
         default="hf", metadata=meta(choices_from="creditrl.rollout:ROLLOUT_ENGINES")
     )
     """A name in creditrl.rollout.ROLLOUT_ENGINES: 'hf' (transformers), 'vllm' (GPU extra)."""
+    engine_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=meta(options_for="rollout.engine")
+    )
+    """Options the chosen engine declares for itself (its Options; defaults filled in)."""
     n: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Trajectories sampled per prompt (the GRPO group size)."""
     temperature: float = field(
@@ -204,6 +208,10 @@ class ActorConfig:
         default="ppo", metadata=meta(choices_from="creditrl.core:POLICY_LOSSES")
     )
     """Policy-gradient loss: a name registered in creditrl.core.POLICY_LOSSES."""
+    policy_loss_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=meta(options_for="actor.policy_loss")
+    )
+    """Options the chosen loss declares for itself (its Options; read as config.kwargs)."""
     clip_ratio: float = field(default=0.2, metadata=meta(range=AT_LEAST_0))
     """PPO trust region: the ratio is clipped to [1 - eps, 1 + eps]."""
     clip_ratio_low: float | None = field(default=None, metadata=meta(range=OPTIONAL_AT_LEAST_0))
@@ -378,6 +386,8 @@ class RayConfig:
 class TrainerConfig:
     """The loop: steps, files, cadence, logging."""
 
+    extensions: list[str] = field(default_factory=list)
+    """Files (.py) or modules imported first (and by every worker) so what they register works."""
     total_steps: int = field(default=30, metadata=meta(range=AT_LEAST_1))
     """Training steps, each over data.train_batch_size prompts."""
     output_dir: str = "runs/default"

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from creditrl.config.fields import Range, choices_of, choices_text, format_value
+from creditrl.config.options import resolve_options
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
-from creditrl.usercode import is_code_spec
+from creditrl.usercode import is_code_spec, load_user_module
 
 __all__ = [
     "CHOICES",
@@ -28,6 +29,7 @@ __all__ = [
     "Range",
     "all_choices",
     "format_value",
+    "import_extensions",
     "schema_fields",
     "unused_settings",
     "uses_critic",
@@ -79,7 +81,12 @@ def _other_engines_options(cfg: Config) -> tuple[str, ...]:
     from creditrl.rollout.engine import engine_traits
 
     ours = set(_engine_traits(cfg).options)
-    declared = {key for name in ROLLOUT_ENGINES for key in engine_traits(name).options}
+    declared = {
+        key
+        for name in ROLLOUT_ENGINES
+        for key in engine_traits(name).options
+        if isinstance(key, str)  # an Option of its own lives under rollout.engine_kwargs
+    }
     return tuple(f"rollout.{key}" for key in sorted(declared - ours))
 
 
@@ -266,9 +273,19 @@ def _check_paths(cfg: Config) -> None:
         )
 
 
+def import_extensions(cfg: Config) -> None:
+    """Import ``trainer.extensions`` (once per process), so what they register is known."""
+    for target in cfg.trainer.extensions:
+        load_user_module(target, "trainer.extensions")
+
+
 def validate_config(cfg: Config) -> None:
-    """Raise a one-line ConfigError for the first setting ``cfg`` cannot train with."""
+    """Raise a one-line ConfigError for the first setting ``cfg`` cannot train with, after
+    importing ``trainer.extensions``; fills in the options extensions declare
+    (``creditrl.config.options``)."""
+    import_extensions(cfg)
     _check_choices(cfg)
+    resolve_options(cfg)
     _check_numbers(cfg)
     _check_combinations(cfg)
     _check_paths(cfg)

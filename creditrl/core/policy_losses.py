@@ -18,8 +18,9 @@ w_{i,t} when given, and reduces it with ``agg_loss(l * w, response_mask, loss_ag
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,11 +48,13 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
 def register_policy_loss(
-    name: str, *aliases: str, options: tuple[str, ...] = ()
+    name: str, *aliases: str, options: tuple[Any, ...] = ()
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` and each alias. ``options``: the
     ``actor.*`` settings it reads from its ``PolicyLossConfig`` (``clip_ratio_c``, ``tau_pos``,
-    ...); one it does not read draws a warning when set, and ``explain`` shows only these."""
+    ...; one it does not read draws a warning when set, and ``explain`` shows only these), and
+    ``creditrl.config.Option``s of its own, set as ``actor.policy_loss_kwargs.NAME`` and read
+    as ``config.kwargs[NAME]``."""
     return POLICY_LOSSES.register(name, *aliases, options=tuple(options))
 
 
@@ -72,6 +75,8 @@ class PolicyLossConfig:
       ppo, gspo and cispo (whose IS-weight bounds are these same two numbers in verl) use them.
     - ``clip_ratio_c``: dual-clip constant c > 1 of ppo (arXiv:1912.09729).
     - ``tau_pos`` / ``tau_neg``: sapo gate temperatures for A > 0 / A <= 0 (arXiv:2511.20347).
+    - ``kwargs``: the options the selected loss declares as ``Option``s
+      (``actor.policy_loss_kwargs``, declared defaults filled in).
     """
 
     clip_ratio: float = 0.2
@@ -80,6 +85,7 @@ class PolicyLossConfig:
     clip_ratio_c: float = 3.0
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def low(self) -> float:

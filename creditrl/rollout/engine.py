@@ -92,8 +92,10 @@ class RolloutEngine:
       log-probs at the same temperature (same weights, same numerics), so the trainer may use
       them as ``old_log_probs`` (``rollout_log_probs_are_actors``);
     - ``supports_lora``: it samples from a LoRA actor (``model.lora_rank > 0``);
-    - ``options``: the ``rollout.*`` settings only it reads (vLLM's memory share, say); one
-      set for an engine that does not declare it draws a warning.
+    - ``options``: the ``rollout.*`` settings only it reads (vLLM's memory share, say; one
+      set for an engine that does not declare it draws a warning), and ``Option``s of its own
+      (``creditrl.config.Option``), set as ``rollout.engine_kwargs.NAME`` and read from
+      ``args.cfg.engine_kwargs`` (defaults filled in).
 
     ``generator`` is the engine's ``torch.Generator`` (saved in checkpoints).
     """
@@ -101,7 +103,7 @@ class RolloutEngine:
     samples_with_actor_module: ClassVar[bool] = False
     exact_log_probs: ClassVar[bool] = False
     supports_lora: ClassVar[bool] = True
-    options: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[tuple[Any, ...]] = ()
     generator: torch.Generator
 
     @classmethod
@@ -165,7 +167,7 @@ class EngineTraits:
     exact_log_probs: bool = False
     unavailable_reason: Callable[[], str | None] = _available
     supports_lora: bool = True
-    options: tuple[str, ...] = ()
+    options: tuple[Any, ...] = ()
 
 
 _TRAITS = (
@@ -191,7 +193,9 @@ def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable
         defaults = EngineTraits()
         declared = {k: getattr(entry, k, getattr(defaults, k)) for k in _TRAITS}
         declared.update(traits)
-        ROLLOUT_ENGINES.register(name, *aliases, traits=EngineTraits(**declared))(entry)
+        ROLLOUT_ENGINES.register(
+            name, *aliases, traits=EngineTraits(**declared), options=tuple(declared["options"])
+        )(entry)
         return entry
 
     return wrap

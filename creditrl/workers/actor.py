@@ -42,6 +42,7 @@ def policy_loss_config(cfg: ActorConfig) -> PolicyLossConfig:
         clip_ratio_c=cfg.clip_ratio_c,
         tau_pos=cfg.tau_pos,
         tau_neg=cfg.tau_neg,
+        kwargs=dict(cfg.policy_loss_kwargs),
     )
 
 
