@@ -128,3 +128,17 @@ def test_calc_rows_keep_the_question_and_answer(few_shot: bool) -> None:
         terms = re.findall(r"([+-]?)\s*(\d+)", question)
         assert int(row.ground_truth) == sum(int(sign + digits) for sign, digits in terms)
         assert row.data_source == "calc_multiturn"
+
+
+def test_calc_rows_ask_another_source_tasks_expression() -> None:
+    """``source: products`` asks reasoning-gym's 3-digit products as "What is a * b?", with
+    their product as the ground truth; a source without expressions is refused."""
+    kwargs = {"source": "products", "min_terms": 2, "max_terms": 2, "min_digits": 3,
+              "max_digits": 3, "few_shot": 1}  # fmt: skip
+    train, val = calc_rows(kwargs, 4, 2, 0, "SYS")
+    for row in [*train, *val]:
+        a, b = re.fullmatch(r"What is (\d{3}) \* (\d{3})\?", row.messages[-1]["content"]).groups()
+        assert int(row.ground_truth) == int(a) * int(b)
+        assert row.data_source == "calc_multiturn"
+    with pytest.raises(ValueError, match="carry no expression"):
+        calc_rows({"source": "leg_counting", "few_shot": 0}, 2, 1, 0, "SYS")

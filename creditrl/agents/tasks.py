@@ -1,8 +1,10 @@
 """Demo agent tasks: multi-turn arithmetic with the calculator, and KGQA over a shipped graph.
 
-- ``calc_multiturn``: reasoning-gym ``chain_sum`` questions (``data.task_kwargs`` as for
-  chain_sum, plus ``few_shot``), the calculator described in the system prompt;
-  ``data_source`` ``calc_multiturn`` (structured reward: ``calc_structured_reward``).
+- ``calc_multiturn``: reasoning-gym arithmetic asked as "What is <expression>?" (``data.
+  task_kwargs``: ``source``, the reasoning-gym task, default ``chain_sum``; ``few_shot``; the
+  rest go to the source task, e.g. ``products`` with 3-digit factors), the calculator described
+  in the system prompt; ``data_source`` ``calc_multiturn`` (structured reward:
+  ``calc_structured_reward``).
 - ``kgqa``: the questions of ``creditrl/agents/data/kgqa.jsonl`` (or
   ``data.task_kwargs.questions``) over ``kg_triples.tsv`` with the ``kg_lookup`` tool; every
   fifth question is held out for validation; ``data_source`` ``kgqa`` (spec 001's reward).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from creditrl.config.schema import Config
+from creditrl.core.registry import Registry
 from creditrl.data import PromptDataset, PromptRow, build_task_rows
 from creditrl.tools import ToolRegistry, build_registry
 
@@ -42,12 +45,20 @@ __all__ = [
     "calc_rows",
     "calc_shots",
     "kgqa_rows",
+    "register_agent_task",
     "tool_system_prompt",
 ]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 KGQA_QUESTIONS = DATA_DIR / "kgqa.jsonl"
-AGENT_TASKS = ("calc_multiturn", "kgqa")
+AGENT_TASKS: Registry = Registry("agent task")
+"""``data.task`` names built here: ``fn(cfg, tools) -> (train rows, val rows)``."""
+
+
+def register_agent_task(name: str) -> Any:
+    """Decorator: ``fn(cfg: Config, tools: ToolRegistry) -> (train, val)`` lists of
+    ``PromptRow`` builds ``data.task=name`` (with the tools the rows' system prompt lists)."""
+    return AGENT_TASKS.register(name)
 
 
 def tool_system_prompt(registry: ToolRegistry, task_hint: str = "") -> str:
@@ -97,7 +108,6 @@ KGQA_SHOT = _shot(
     "France | capital | Paris",
     "Paris",
 )
-_CHAIN_SUM_LEAD = "State the final answer to the following arithmetic problem: "
 
 
 def _messages(system: str, shot: list[dict[str, str]], question: str) -> list[dict[str, str]]:
@@ -117,18 +127,21 @@ def calc_shots(few_shot: bool | int) -> list[dict[str, str]]:
 def calc_rows(
     kwargs: dict[str, Any], train_size: int, val_size: int, seed: int, system_prompt: str
 ) -> tuple[list[PromptRow], list[PromptRow]]:
-    """chain_sum rows re-labelled ``calc_multiturn``: the tool system prompt, worked examples
-    (``few_shot`` in ``kwargs``: how many of ``CALC_SHOTS``, the last ones, ``CALC_SHOT`` last;
-    true = 1, false = 0) and the question as "What is a + b - c?"."""
+    """Rows of the reasoning-gym task ``source`` in ``kwargs`` (default ``chain_sum``; any task
+    whose entries carry ``metadata.expression``) re-labelled ``calc_multiturn``: the tool
+    system prompt, worked examples (``few_shot`` in ``kwargs``: how many of ``CALC_SHOTS``, the
+    last ones, ``CALC_SHOT`` last; true = 1, false = 0) and the question as "What is a * b?"."""
     kwargs = dict(kwargs)
     shot = calc_shots(kwargs.pop("few_shot", True))
-    rows = build_task_rows("chain_sum", kwargs, train_size, val_size, seed, system_prompt)
+    source = kwargs.pop("source", "chain_sum")
+    rows = build_task_rows(source, kwargs, train_size, val_size, seed, system_prompt)
     out = []
     for split in (rows.train, rows.val):
         for row in split:
-            question = row.extra["rg_entry"]["question"]
-            question = question.removeprefix(_CHAIN_SUM_LEAD).rstrip(" =")
-            row.messages = _messages(system_prompt, shot, f"What is {question}?")
+            expression = row.extra["rg_entry"]["metadata"].get("expression")
+            if not isinstance(expression, str):
+                raise ValueError(f"calc_multiturn: {source} entries carry no expression")
+            row.messages = _messages(system_prompt, shot, f"What is {expression}?")
             row.data_source = "calc_multiturn"
         out.append(split)
     return out[0], out[1]
@@ -166,23 +179,11 @@ def build_agent_datasets(
     """Train and validation PromptDatasets of the agent task ``cfg.data.task``."""
     data, agent = cfg.data, cfg.agent
     if data.task not in AGENT_TASKS:
-        raise ValueError(f"{data.task!r} is not an agent task; choose one of {AGENT_TASKS}")
+        raise ValueError(f"{data.task!r} is not an agent task; choose one of {AGENT_TASKS.names()}")
     registry = registry or build_registry(
         agent.tools, agent.tool_config, agent.tool_timeout_s, agent.max_parallel_calls
     )
-    if data.task == "calc_multiturn":
-        hint = "Use the calculator for the arithmetic."
-        system = data.system_prompt or tool_system_prompt(registry, hint)
-        train, val = calc_rows(
-            dict(data.task_kwargs), data.train_size, data.val_size, data.seed, system
-        )
-    else:
-        hint = "Look facts up in the knowledge graph; answer with the entity name only."
-        system = data.system_prompt or tool_system_prompt(registry, hint)
-        train, val = kgqa_rows(
-            system, data.task_kwargs.get("questions"), data.task_kwargs.get("few_shot", True)
-        )
-        val = val[: data.val_size] if data.val_size >= 0 else val
+    train, val = AGENT_TASKS.get(data.task)(cfg, registry)
 
     def dataset(rows: Sequence[PromptRow], split: str) -> PromptDataset:
         return PromptDataset(
@@ -190,3 +191,21 @@ def build_agent_datasets(
         )
 
     return dataset(train, "train"), dataset(val, "val") if val else None
+
+
+@register_agent_task("calc_multiturn")
+def _calc_task(cfg: Config, tools: ToolRegistry) -> tuple[list[PromptRow], list[PromptRow]]:
+    data = cfg.data
+    hint = "Use the calculator for the arithmetic."
+    system = data.system_prompt or tool_system_prompt(tools, hint)
+    return calc_rows(dict(data.task_kwargs), data.train_size, data.val_size, data.seed, system)
+
+
+@register_agent_task("kgqa")
+def _kgqa_task(cfg: Config, tools: ToolRegistry) -> tuple[list[PromptRow], list[PromptRow]]:
+    data = cfg.data
+    hint = "Look facts up in the knowledge graph; answer with the entity name only."
+    system = data.system_prompt or tool_system_prompt(tools, hint)
+    kwargs = data.task_kwargs
+    train, val = kgqa_rows(system, kwargs.get("questions"), kwargs.get("few_shot", True))
+    return train, val[: data.val_size] if data.val_size >= 0 else val
