@@ -1,9 +1,12 @@
-"""TRL's GRPOTrainer on the main job's task and shape (needs the `bench` extra: trl).
+"""TRL's GRPOTrainer on a creditrl config's task and shape (needs the `bench` extra: trl).
 
-Used by step_time.py and learning_curve.py: 4 prompts x 4 samples per step, 96 new tokens,
-SmolLM2-135M-Instruct (the embedded model), the same chain_sum prompts (worked example
-included), learning rate, temperature and reward function as creditrl's default; TRL's defaults
-otherwise (no reference model, one iteration per batch), gradient checkpointing off.
+Used by step_time.py, learning_curve.py and learning_suite.py. The config (``--preset`` and
+``key=value`` overrides, resolved by creditrl) gives both sides the same prompts (task,
+difficulty, worked examples, seed), group size (``rollout.n`` = ``num_generations``), prompts
+per optimizer step (``data.train_batch_size`` x ``rollout.n`` completions per step),
+``max_response_length`` (``max_completion_length``), learning rate, temperature and reward (the
+run's reasoning-gym scorer); TRL's defaults otherwise (no reference model, one iteration per
+batch), gradient checkpointing off. Without a preset: the default run (chain_sum).
 
 With ``--val-every N`` it validates before step 1 and every N steps exactly as creditrl does:
 greedy answers (creditrl's HF engine on TRL's model) to the same held-out prompts, scored by
@@ -25,7 +28,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from creditrl.config import Config
+from creditrl.config.loader import load_config
 from creditrl.config.schema import RolloutConfig
 from creditrl.data import build_datasets, build_task_rows
 from creditrl.models import embedded_model_dir, load_tokenizer
@@ -33,20 +36,21 @@ from creditrl.rewards.scorers import reasoning_gym_score
 from creditrl.rollout import HFRolloutEngine
 
 
-def chain_sum_reward(completions, ground_truth, rg_entry, **_):
-    """creditrl's default reward for the task, on TRL's conversational completions."""
+def task_reward(completions, ground_truth, rg_entry, data_source, **_):
+    """creditrl's reward for the task (its reasoning-gym scorer), on TRL's conversational
+    completions."""
     return [
-        reasoning_gym_score(
-            "reasoning_gym/chain_sum", c[0]["content"], gt, {"rg_entry": json.loads(entry)}
-        )["score"]
-        for c, gt, entry in zip(completions, ground_truth, rg_entry, strict=True)
+        reasoning_gym_score(source, c[0]["content"], gt, {"rg_entry": json.loads(entry)})["score"]
+        for c, gt, entry, source in zip(
+            completions, ground_truth, rg_entry, data_source, strict=True
+        )
     ]
 
 
-def greedy_validation(model, tokenizer, val) -> dict[str, float]:
+def greedy_validation(model, tokenizer, val, max_length: int = 96) -> dict[str, float]:
     """creditrl's validation on ``model``: greedy answers to every row of the PromptDataset
     ``val``, mean score and strict accuracy (tagged and correct)."""
-    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_response_length=96))
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_response_length=max_length))
     out = engine.generate(val.batch(list(range(len(val)))), greedy=True)
     scores, strict = [], []
     for i in range(len(out)):
@@ -63,13 +67,9 @@ class StepClock(TrainerCallback):
     """Seconds of each optimizer step and training time at its end; validation every
     ``val_every`` steps (and before the first) with the clock stopped."""
 
-    def __init__(self, tokenizer, val, val_every: int, minutes: float) -> None:
-        self.tokenizer, self.val, self.val_every, self.limit_s = (
-            tokenizer,
-            val,
-            val_every,
-            minutes * 60,
-        )
+    def __init__(self, tokenizer, val, val_every: int, minutes: float, max_length: int) -> None:
+        self.tokenizer, self.val, self.val_every = tokenizer, val, val_every
+        self.limit_s, self.max_length = minutes * 60, max_length
         self.seconds: list[float] = []
         self.ended: list[float] = []
         self.validations: list[dict[str, float]] = []
@@ -78,7 +78,7 @@ class StepClock(TrainerCallback):
     def validate(self, model, step: int) -> None:
         if self.val_every > 0:
             train_s = self.ended[-1] if self.ended else 0.0
-            result = greedy_validation(model, self.tokenizer, self.val)
+            result = greedy_validation(model, self.tokenizer, self.val, self.max_length)
             self.validations.append({"step": step, "train_s": train_s, **result})
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -102,12 +102,16 @@ class StepClock(TrainerCallback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=Config().actor.optim.lr)
-    parser.add_argument("--temperature", type=float, default=Config().rollout.temperature)
+    parser.add_argument("--preset", help="a creditrl preset (default: the default run)")
+    parser.add_argument("--lr", type=float, help="default: the config's actor.optim.lr")
+    parser.add_argument("--temperature", type=float, help="default: rollout.temperature")
     parser.add_argument("--val-every", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=0.0)
+    parser.add_argument("overrides", nargs="*", help="creditrl key=value overrides")
     args = parser.parse_args()
-    data = Config().data
+    preset = [f"preset={args.preset}"] if args.preset else []
+    cfg = load_config(overrides=[*preset, *args.overrides])
+    data, rollout = cfg.data, cfg.rollout
     rows = build_task_rows(
         data.task,
         data.task_kwargs,
@@ -123,6 +127,7 @@ def main() -> None:
                 "prompt": r.messages,
                 "ground_truth": str(r.ground_truth),
                 "rg_entry": json.dumps(r.extra["rg_entry"]),
+                "data_source": r.data_source,
             }
             for r in rows.train
         ]
@@ -130,11 +135,11 @@ def main() -> None:
     model_dir = embedded_model_dir()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-grpo-"),
-        per_device_train_batch_size=16,
-        num_generations=4,
-        max_completion_length=96,
-        learning_rate=args.lr,
-        temperature=args.temperature,
+        per_device_train_batch_size=data.train_batch_size * rollout.n,
+        num_generations=rollout.n,
+        max_completion_length=rollout.max_response_length,
+        learning_rate=args.lr if args.lr is not None else cfg.actor.optim.lr,
+        temperature=args.temperature if args.temperature is not None else rollout.temperature,
         max_steps=args.steps,
         use_cpu=True,
         bf16=False,
@@ -145,10 +150,11 @@ def main() -> None:
         seed=data.seed,
     )
     tokenizer = load_tokenizer(model_dir)
-    clock = StepClock(tokenizer, build_datasets(data, tokenizer)[1], args.val_every, args.minutes)
+    val = build_datasets(data, tokenizer)[1]
+    clock = StepClock(tokenizer, val, args.val_every, args.minutes, rollout.max_response_length)
     trainer = GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=chain_sum_reward,
+        reward_funcs=task_reward,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,

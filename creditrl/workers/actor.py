@@ -96,8 +96,8 @@ class ActorWorker:
 
     def _autocast(self) -> torch.autocast:
         """bfloat16 autocast for the update's forward and backward when ``actor.autocast``
-        resolves to bf16 (``creditrl.workers.precision``; about 1.7x faster on CPUs with
-        avx512_bf16); log-probs and losses stay float32."""
+        resolves to bf16 (``creditrl.workers.precision``; benchmarks/results/precision.md);
+        log-probs and losses stay float32."""
         device = next(self.model.parameters()).device.type
         return torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
 

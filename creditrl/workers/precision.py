@@ -2,8 +2,7 @@
 
 bfloat16 autocast pays only where the hardware multiplies bfloat16 natively: CUDA GPUs, and
 CPUs with AVX512-BF16 or AMX. Elsewhere PyTorch's CPU bfloat16 matmul falls back to a generic
-kernel: on a 2-core AVX2-only AMD EPYC, a (1800 x 576) @ (576 x 1536) product took 8.3 s in
-bfloat16 against 0.15 s in float32 (measured), so a bf16 update there is ~50x slower. ``auto``
+kernel, many times slower than float32 (figures: benchmarks/results/precision.md). ``auto``
 therefore picks bf16 only where it is native.
 """
 
