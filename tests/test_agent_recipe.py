@@ -142,3 +142,21 @@ def test_calc_rows_ask_another_source_tasks_expression() -> None:
         assert row.data_source == "calc_multiturn"
     with pytest.raises(ValueError, match="carry no expression"):
         calc_rows({"source": "leg_counting", "few_shot": 0}, 2, 1, 0, "SYS")
+
+
+def test_calculator_hard_pays_only_a_correct_final_answer() -> None:
+    """preset=calculator_hard's reward is outcome only: the four hand-built trajectories (tool
+    then right, tool then wrong, no tool but right, failed call then right) score 1, 0, 1, 1;
+    the calculator_agent weights pay the tool and the format on top."""
+    tok = load_tokenizer(tiny_model_dir())
+    calls, turns, _ = _trajectories()
+    hard = load_config(overrides=["preset=calculator_hard"])
+    assert hard.data.task_kwargs["source"] == "products"
+    assert hard.data.task_kwargs["min_digits"] == hard.data.task_kwargs["max_digits"] == 3
+    agent = load_config(overrides=["preset=calculator_agent"])
+    totals = {}
+    for name, cfg in (("hard", hard), ("agent", agent)):
+        manager = StructuredRewardManager(cfg.reward, cfg.agent, tok)
+        totals[name] = manager.submit(_batch(calls, turns)).result().scores.tolist()
+    assert totals["hard"] == [1.0, 0.0, 1.0, 1.0]
+    assert totals["agent"][0] > totals["agent"][2] > 1.0  # tool use and format pay there
