@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from learning_curve import at_or_before, read_metrics
+from learning_curve import compare, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -104,14 +104,6 @@ def minutes_to(points: list[tuple[float, float]], target: float) -> str:
     return f">{points[-1][0] / 60:.1f}"
 
 
-def above_everywhere(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
-    """``a``'s latest validation is at least ``b``'s at every validation time of either run
-    after 0, within both spans."""
-    end = min(a[-1][0], b[-1][0])
-    times = sorted({t for t, _ in a + b if 0 < t <= end})
-    return all(at_or_before(a, t) >= at_or_before(b, t) for t in times)
-
-
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -153,7 +145,7 @@ def table(results: dict, flags: str) -> str:
         cells = [name, f"`{r['metric']}`", span(a), span(b) if b else "not run",
                  f"{r['target']:.3f}", minutes_to(a, r["target"]),
                  minutes_to(b, r["target"]) if b else "-",
-                 str(above_everywhere(a, b)) if b else "-"]  # fmt: skip
+                 str(compare(a, b)) if b else "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

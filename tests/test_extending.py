@@ -241,6 +241,14 @@ def _extension(tmp_path: Path, name: str, text: str) -> str:
     return f"trainer.extensions=[{path}]"
 
 
+def _doc(capsys: pytest.CaptureFixture[str], ext: str, section: str) -> str:
+    """What `creditrl config EXTENSIONS --doc SECTION` prints (it must exit 0)."""
+    from creditrl.cli import main
+
+    assert main(["config", ext, "--doc", section]) == 0
+    return capsys.readouterr().out
+
+
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     from creditrl.cli import main
 
@@ -257,11 +265,8 @@ def test_an_engine_file_brings_its_option_and_trait(
     supports_lora trait: `config --doc` lists rollout.engine_kwargs.stamp, `config` refuses a
     bad stamp, an undeclared option and LoRA with one line each, and a training step's
     responses carry the stamp the config gave."""
-    from creditrl.cli import main
-
     ext = _extension(tmp_path, "stamped_engine.py", ENGINE_FILE)
-    assert main(["config", ext, "--doc", "rollout.engine_kwargs.stamp"]) == 0
-    doc = capsys.readouterr().out
+    doc = _doc(capsys, ext, "rollout.engine_kwargs.stamp")
     assert "rollout.engine_kwargs.stamp: int = 7" in doc
     assert "allowed: >= 1" in doc and "with rollout.engine=stamped_hf" in doc
     base = ["config", ext, "rollout.engine=stamped_hf"]
@@ -292,11 +297,8 @@ def test_a_loss_file_brings_its_option(tmp_path: Path, capsys: pytest.CaptureFix
     """A loss registered in one file with an Option of its own: listed by `config --doc`,
     refused out of range or mistyped with one line, and read by the loss at every micro-batch
     (the shift shows in actor/pg_loss)."""
-    from creditrl.cli import main
-
     ext = _extension(tmp_path, "shifted_loss.py", LOSS_FILE)
-    assert main(["config", ext, "--doc", "actor"]) == 0
-    doc = capsys.readouterr().out
+    doc = _doc(capsys, ext, "actor")
     assert "actor.policy_loss_kwargs.shift: float = 0" in doc
     assert "allowed: in [-10, 10]" in doc and "with actor.policy_loss=ppo_shifted" in doc
     base = ["config", ext, "actor.policy_loss=ppo_shifted"]

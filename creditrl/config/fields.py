@@ -27,9 +27,17 @@ __all__ = [
     "format_value",
     "kl_choices",
     "meta",
+    "value_at",
 ]
 
 USER_CODE = "path/to/file.py:name or package.module:name"
+
+
+def value_at(node: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config dataclass."""
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def format_value(value: Any) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from creditrl.config.fields import Range, format_value
+from creditrl.config.fields import Range, format_value, value_at
 from creditrl.errors import ConfigError
 
 __all__ = ["DeclaredKey", "Option", "declared_keys", "resolve_options"]
@@ -109,16 +109,8 @@ def _kwargs_fields(cfg: Any, prefix: str = "") -> Iterator[tuple[str, str, Any]]
 
 def _selector_meta(root: Any, selector: str) -> Mapping[str, Any]:
     section, _, leaf = selector.rpartition(".")
-    node = root
-    for part in section.split(".") if section else ():
-        node = getattr(node, part)
+    node = value_at(root, section) if section else root
     return next(f.metadata for f in dataclasses.fields(node) if f.name == leaf)
-
-
-def _get(root: Any, key: str) -> Any:
-    for part in key.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def declared_keys(root: Any, key: str, selector: str) -> list[DeclaredKey]:
@@ -141,7 +133,7 @@ def resolve_options(cfg: Any) -> None:
     name or a bad value. An entry not registered is left alone (its name is refused first)."""
     for key, selector, section in _kwargs_fields(cfg):
         registry = _registry(_selector_meta(cfg, selector))
-        name = _get(cfg, selector)
+        name = value_at(cfg, selector)
         if name not in registry:
             continue
         declared = {option.name: option for option in _declared(registry, name)}

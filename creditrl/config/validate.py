@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from creditrl.config.fields import Range, choices_of, choices_text, format_value
+from creditrl.config.fields import Range, choices_of, choices_text, format_value, value_at
 from creditrl.config.options import resolve_options
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
@@ -136,13 +136,6 @@ def all_choices() -> dict[str, tuple[str, ...]]:
     return {key: names for key, names in out.items() if names is not None}
 
 
-def _get(cfg: Any, key: str) -> Any:
-    """The value at dotted ``key`` of a Config."""
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def _nearest(value: str, choices: Collection[str]) -> str:
     """'; did you mean X?' for the closest choice (case-insensitive first), or ''."""
     same_case = [c for c in choices if c.lower() == value.lower()]
@@ -153,7 +146,7 @@ def _nearest(value: str, choices: Collection[str]) -> str:
 def _check_choices(cfg: Config) -> None:
     for key, choices in all_choices().items():
         meta = _METADATA[key]
-        value = _get(cfg, key)
+        value = value_at(cfg, key)
         entries = value if isinstance(value, list) else [value]
         for entry in entries:
             if entry in choices or (meta.get("user_code") and is_code_spec(str(entry))):
@@ -172,7 +165,7 @@ def _check_numbers(cfg: Config) -> None:
             if isinstance(number, float) and not math.isfinite(number):
                 raise ConfigError(f"{key}={format_value(number)} is not a finite number")
     for key, allowed in RANGES.items():
-        value = _get(cfg, key)
+        value = value_at(cfg, key)
         if value is None and allowed.null:
             continue
         if value is None or not allowed.holds(value):
@@ -181,7 +174,7 @@ def _check_numbers(cfg: Config) -> None:
     if top_k != -1 and top_k < 1:
         raise ConfigError(f"rollout.top_k={top_k} must be -1 (off) or >= 1")
     for section in ("actor", "critic"):
-        betas = _get(cfg, f"{section}.optim.betas")
+        betas = value_at(cfg, f"{section}.optim.betas")
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(
                 f"{section}.optim.betas={betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]"
@@ -190,7 +183,7 @@ def _check_numbers(cfg: Config) -> None:
 
 def _check_batches(cfg: Config, section: str) -> None:
     batch, n, workers = cfg.data.train_batch_size, cfg.rollout.n, cfg.trainer.workers
-    mini = _get(cfg, f"{section}.ppo_mini_batch_size")
+    mini = value_at(cfg, f"{section}.ppo_mini_batch_size")
     if mini > batch:
         raise ConfigError(
             f"{section}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={batch} "
@@ -345,7 +338,7 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
     ),
     *(
         (
-            lambda c, s=section: not _get(c, f"algorithm.{s}.enable"),
+            lambda c, s=section: not value_at(c, f"algorithm.{s}.enable"),
             (f"algorithm.{section}.",),
             lambda c, s=section: f"algorithm.{s}.enable=false",
         )
@@ -419,7 +412,7 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
     ),
     *(
         (
-            lambda c, s=section: not _get(c, f"{s}.use_dynamic_bsz"),
+            lambda c, s=section: not value_at(c, f"{s}.use_dynamic_bsz"),
             (f"{section}.max_token_len_per_device",),
             lambda c, s=section: f"{s}.use_dynamic_bsz=false",
         )
@@ -427,7 +420,7 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
     ),
     *(
         (
-            lambda c, s=section: _get(c, f"{s}.optim.lr_scheduler") == "constant",
+            lambda c, s=section: value_at(c, f"{s}.optim.lr_scheduler") == "constant",
             (f"{section}.optim.min_lr_ratio",),
             lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
         )
@@ -453,6 +446,6 @@ def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:
         )
         if hit:
             verb = "is" if len(hit) == 1 else "are"
-            settings = ", ".join(f"{key}={format_value(_get(cfg, key))}" for key in hit)
+            settings = ", ".join(f"{key}={format_value(value_at(cfg, key))}" for key in hit)
             lines.append(f"{settings} {verb} set but {reason(cfg)}")
     return lines
