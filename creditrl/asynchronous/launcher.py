@@ -30,6 +30,7 @@ from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources
+from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
 
 __all__ = [
     "Child",
@@ -148,12 +149,23 @@ def start_child(
     cmd: Sequence[str],
     log_dir: Path,
     echo: tuple[BinaryIO | None, BinaryIO | None] | None = None,
+    lock_fd: int | None = None,
 ) -> Child:
     """Start ``cmd``; its stdout and stderr are shown on ``echo`` (the launcher's own by
-    default) and appended to ``log_dir/<role>-<index>.log``."""
+    default) and appended to ``log_dir/<role>-<index>.log``. ``lock_fd``: the output folder's
+    held lock, handed to the child (``creditrl.trainers.run_lock``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # live output, and all of it at a crash
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    env.pop(LOCK_FD_ENV, None)
+    if lock_fd is not None:
+        env[LOCK_FD_ENV] = str(lock_fd)
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        pass_fds=() if lock_fd is None else (lock_fd,),
+    )
     child = Child(role, index, proc, log_dir / f"{role}-{index}.log")
     if echo is None:
         echo = (getattr(sys.stdout, "buffer", None), getattr(sys.stderr, "buffer", None))
@@ -240,13 +252,18 @@ def launch(
     if cfg.asynchronous.launcher == "ray":
         from creditrl.asynchronous.ray_launch import launch_ray
 
+        check_output_dir_free(Path(cfg.trainer.output_dir))  # learner rank 0 then locks it
         return launch_ray(cfg, console, grace_s)
     learner_cmds, sampler_cmds = child_commands(cfg, config_file, overrides)
     log_dir = Path(cfg.trainer.output_dir) / "async" / "logs"
-    console.print(
-        f"async: {len(learner_cmds)} learner rank(s) + {len(sampler_cmds)} sampler(s), "
-        f"output in {cfg.trainer.output_dir}, process logs in {log_dir}"
-    )
-    learners = [start_child("learner", r, cmd, log_dir) for r, cmd in enumerate(learner_cmds)]
-    samplers = [start_child("sampler", i, cmd, log_dir) for i, cmd in enumerate(sampler_cmds)]
-    return supervise(learners, samplers, console, grace_s)
+    with RunLock.acquire(Path(cfg.trainer.output_dir)) as lock:  # learner rank 0 shares it
+        console.print(
+            f"async: {len(learner_cmds)} learner rank(s) + {len(sampler_cmds)} sampler(s), "
+            f"output in {cfg.trainer.output_dir}, process logs in {log_dir}"
+        )
+        learners = [
+            start_child("learner", r, cmd, log_dir, lock_fd=lock.fd if r == 0 else None)
+            for r, cmd in enumerate(learner_cmds)
+        ]
+        samplers = [start_child("sampler", i, cmd, log_dir) for i, cmd in enumerate(sampler_cmds)]
+        return supervise(learners, samplers, console, grace_s)

@@ -32,6 +32,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
@@ -94,6 +95,7 @@ class AsyncActor:
     def _learn(self, cfg: Config) -> int:
         from creditrl.asynchronous.learner import Learner
         from creditrl.controller.distributed import destroy_process_group, init_process_group
+        from creditrl.trainers.run_lock import RunLock
 
         a = cfg.asynchronous
         if a.learners > 1:
@@ -105,7 +107,11 @@ class AsyncActor:
                 timeout_s=a.data_timeout_s + 60.0,
             )
         try:
-            Learner(cfg, self.index, a.learners).fit()
+            if self.index == 0:  # rank 0 owns the output folder: one run at a time
+                with RunLock.acquire(Path(cfg.trainer.output_dir)):
+                    Learner(cfg, self.index, a.learners).fit()
+            else:
+                Learner(cfg, self.index, a.learners).fit()
         finally:
             destroy_process_group()
         return 0

@@ -35,7 +35,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]warning:[/yellow] {escape(line)}")
     for line in notes:
         console.print(f"[yellow]note:[/yellow] {escape(line)}")
-    return launch(cfg, config_file, overrides, console)
+    try:
+        return launch(cfg, config_file, overrides, console)
+    except UserError as err:  # the output folder is in use, or is no folder
+        console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True, highlight=False)
+        return 2
 
 
 def register(sub: Any) -> None:

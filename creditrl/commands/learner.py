@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -16,27 +17,32 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.asynchronous.launcher import load_from_args
     from creditrl.asynchronous.learner import Learner
     from creditrl.controller.distributed import destroy_process_group, init_process_group
+    from creditrl.trainers.run_lock import RunLock
 
     try:
         cfg, _, _ = load_from_args(args.args)
+        world = cfg.asynchronous.learners
+        if not 0 <= args.rank < world:
+            console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
+            return 2
+        # rank 0 owns the output folder: one run at a time (the launcher hands over its lock)
+        lock = RunLock.acquire(Path(cfg.trainer.output_dir)) if args.rank == 0 else None
     except UserError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
-    world = cfg.asynchronous.learners
-    if not 0 <= args.rank < world:
-        console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
-        return 2
-    if world > 1:
-        init_process_group(
-            args.rank,
-            world,
-            master_port=cfg.asynchronous.dist_port,
-            timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
-        )
     try:
+        if world > 1:
+            init_process_group(
+                args.rank,
+                world,
+                master_port=cfg.asynchronous.dist_port,
+                timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
+            )
         Learner(cfg, args.rank, world, console=console).fit()
     finally:
         destroy_process_group()
+        if lock is not None:
+            lock.release()
     return 0
 
 

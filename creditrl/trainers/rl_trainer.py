@@ -41,6 +41,7 @@ from creditrl.tracking import (
 )
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
+from creditrl.trainers.run_lock import RunLock
 from creditrl.workers.precision import actor_device, autocast_choice, update_autocast
 
 __all__ = ["RLTrainer", "RunSummary"]
@@ -88,14 +89,22 @@ class RLTrainer:
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
         self.console = console or Console()
+        self.out = Path(cfg.trainer.output_dir)
+        self.run_lock = RunLock.acquire(self.out)  # held until close(): one run per folder
+        try:
+            self._build()
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         for notice in preflight(cfg):  # user code, data files and scorers, before any model
             self.console.print(f"[yellow]note:[/yellow] {escape(notice)}")
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
-        self.out = Path(cfg.trainer.output_dir)
         prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.reuse_rollout_log_probs = rollout_log_probs_reusable(cfg)
         self.n = cfg.rollout.n
         self.val_before: dict[str, float] = {}
@@ -308,7 +317,10 @@ class RLTrainer:
         return summary
 
     def close(self) -> None:
-        """Release the workers, the reward pool and the metric sinks."""
-        self.workers.shutdown()
-        self.tracker.close()
-        self.reward.close()
+        """Release the workers, the reward pool, the metric sinks and the output folder."""
+        try:
+            self.workers.shutdown()
+            self.tracker.close()
+            self.reward.close()
+        finally:
+            self.run_lock.release()
