@@ -15,12 +15,11 @@ model-written JSON nested thousands deep would otherwise end the run in a Recurs
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
-from creditrl.rewards.scorers import extract_answer
+from creditrl.rewards.scorers import extract_answer, tag_blocks
 
 __all__ = [
     "CALL_LIMITS",
@@ -35,7 +34,6 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 # One <tool_call> block's JSON, and an arguments string inside it.
 CALL_LIMITS = JsonLimits(max_bytes=1 << 16, max_depth=16, max_items=10_000)
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 @dataclass
@@ -92,7 +90,8 @@ def parse_tool_calls(text: str) -> list[ParsedCall]:
     """Every ``<tool_call>...</tool_call>`` block of ``text`` in order (a block holding a JSON
     list gives one call per element), plus one malformed call for a final ``<tool_call>`` that
     is never closed."""
-    calls = [call for m in _BLOCK.finditer(text) for call in _parse_blocks(m.group(1))]
+    blocks = tag_blocks(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    calls = [call for raw in blocks for call in _parse_blocks(raw)]
     last_close = text.rfind(TOOL_CALL_CLOSE)
     tail = text[last_close + len(TOOL_CALL_CLOSE) :] if last_close >= 0 else text
     if TOOL_CALL_OPEN in tail:

@@ -21,13 +21,13 @@ one successful calculator call). Spec 001's default weights are ``KGQA_WEIGHTS``
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from creditrl.agents.parsing import extract_answer, parse_tool_calls
+from creditrl.rewards.scorers import tag_blocks
 from creditrl.tools.kg_lookup import normalize_entity
 
 __all__ = [
@@ -74,7 +74,7 @@ class AgentSample:
 
 def _format_ok(text: str) -> bool:
     calls = parse_tool_calls(text)
-    answers = len(re.findall(r"<answer>.*?</answer>", text, re.DOTALL))
+    answers = len(tag_blocks(text, "<answer>", "</answer>"))
     if calls:
         return all(c.ok for c in calls) and answers == 0
     return answers == 1

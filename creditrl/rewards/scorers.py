@@ -4,6 +4,11 @@ Each scorer is ``fn(data_source, solution_str, ground_truth, extra_info=None, **
 returns ``{"score": float, ...extra}``. ``solution_str`` is the decoded response (text for
 scoring only; never re-encoded for training). Heavy libraries (reasoning_gym, math_verify) are
 imported on first use so a worker process starts fast.
+
+Model-written text is scored in time linear in its length: tags are found with ``str`` search,
+never a backtracking regex, and an answer is looked for only in the last
+``ANSWER_SEARCH_CHARS`` characters of a response (an answer block, a last number, a math
+expression), so a huge response costs no more to search than its tail.
 """
 
 from __future__ import annotations
@@ -15,24 +20,42 @@ from functools import cache
 from typing import Any
 
 __all__ = [
+    "ANSWER_SEARCH_CHARS",
     "answer_format_ok",
     "extract_answer",
     "gsm8k_score",
     "math_score",
     "program_reward_score",
     "reasoning_gym_score",
+    "tag_blocks",
     "think_answer_format_ok",
 ]
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_THINK_ANSWER = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
-_ANSWER_ONLY = re.compile(r"^.*?<answer>.*?</answer>$", re.DOTALL)
+# An answer is searched for in this many last characters of a response (16 KiB of text).
+ANSWER_SEARCH_CHARS = 16_384
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 
 
+def tag_blocks(text: str, open_tag: str, close_tag: str) -> list[str]:
+    """The contents of the ``open_tag ... close_tag`` blocks of ``text``, left to right, as
+    ``re.findall(open + "(.*?)" + close, text, re.DOTALL)`` finds them, in linear time: each
+    block starts at the first ``open_tag`` after the previous block and ends at the first
+    ``close_tag`` after that."""
+    blocks = []
+    position = 0
+    while (start := text.find(open_tag, position)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            break
+        blocks.append(text[start + len(open_tag) : end])
+        position = end + len(close_tag)
+    return blocks
+
+
 def extract_answer(solution_str: str) -> str | None:
-    """Content (stripped) of the last ``<answer>...</answer>`` block, or None if there is none."""
-    found = _ANSWER.findall(solution_str)
+    """Content (stripped) of the last ``<answer>...</answer>`` block within the last
+    ``ANSWER_SEARCH_CHARS`` characters, or None if there is none."""
+    found = tag_blocks(solution_str[-ANSWER_SEARCH_CHARS:], "<answer>", "</answer>")
     return found[-1].strip() if found else None
 
 
@@ -47,13 +70,18 @@ def think_answer_format_ok(solution_str: str) -> bool:
     appears exactly once and nothing follows ``</answer>``.
     """
     text = solution_str.strip()
-    return bool(_THINK_ANSWER.match(text)) and _tag_counts_are_one(text, "think", "answer")
+    if not (text.startswith("<think>") and text.endswith("</answer>")):
+        return False
+    if not _tag_counts_are_one(text, "think", "answer"):
+        return False
+    think_end, answer_start = text.find("</think>"), text.find("<answer>")
+    return think_end < answer_start and not text[think_end + len("</think>") : answer_start].strip()
 
 
 def answer_format_ok(solution_str: str) -> bool:
     """One ``<answer>...</answer>`` block ending the (stripped) text, anything before it."""
     text = solution_str.strip()
-    return bool(_ANSWER_ONLY.match(text)) and _tag_counts_are_one(text, "answer")
+    return text.endswith("</answer>") and _tag_counts_are_one(text, "answer")
 
 
 def _to_decimal(text: str) -> Decimal | None:
@@ -118,8 +146,9 @@ def _rg_score_fn(name: str) -> Any:
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (e.g. "2 + 3 = 5." -> "5"), or None."""
-    found = [m.group(0) for m in _NUMBER.finditer(text)]
+    """The last number written in the last ``ANSWER_SEARCH_CHARS`` characters of ``text``
+    (e.g. "2 + 3 = 5." -> "5"), or None."""
+    found = [m.group(0) for m in _NUMBER.finditer(text[-ANSWER_SEARCH_CHARS:])]
     return found[-1].rstrip(".") if found else None
 
 
@@ -184,7 +213,8 @@ def math_score(
 
     gold: ``ground_truth`` as given if it holds "\\boxed" or "$", else wrapped as
     ``\\boxed{...}``. pred: parsed from the last ``<answer>`` content if there is one, else from
-    the whole response (math_verify finds the last boxed / LaTeX / plain expression).
+    the response's last ``ANSWER_SEARCH_CHARS`` characters (math_verify finds the last boxed /
+    LaTeX / plain expression).
     math_verify's own signal-based timeout runs only in a main thread.
     """
     from math_verify import parse, verify
@@ -197,7 +227,8 @@ def math_score(
     if not gold:
         raise ValueError(f"math ground truth {ground_truth!r} could not be parsed")
     answer = extract_answer(solution_str)
-    pred = parse(answer if answer is not None else solution_str, parsing_timeout=limit)
+    text = answer if answer is not None else solution_str[-ANSWER_SEARCH_CHARS:]
+    pred = parse(text, parsing_timeout=limit)
     correct = bool(pred) and verify(gold, pred, timeout_seconds=limit)
     return {
         "score": correct_score if correct else wrong_score,
