@@ -23,6 +23,19 @@ from rich.console import Console
 from creditrl.config.loader import ConfigError, load_config
 from creditrl.inspect.columns import COLUMNS, NUMERIC
 from creditrl.inspect.view import TokenView
+from creditrl.plain_text import as_text, plain
+
+
+def _check_encodable(option: str, text: str) -> None:
+    """ValueError naming ``option`` when ``text`` holds a lone surrogate (an argument that was
+    not valid UTF-8): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = plain(err.object[err.start : err.end])
+        raise ValueError(
+            f"{option} holds {bad} at character {err.start}, which is not text (invalid UTF-8)"
+        ) from None
 
 
 def _views(args: argparse.Namespace) -> list[TokenView]:
@@ -35,6 +48,9 @@ def _views(args: argparse.Namespace) -> list[TokenView]:
     if args.prompt is not None:
         if not args.response:
             raise ValueError("--prompt needs at least one --response")
+        _check_encodable("--prompt", args.prompt)
+        for response in args.response:
+            _check_encodable("--response", response)
         config_file = items.pop(0) if items and "=" not in items[0] else None
         from creditrl.inspect.from_text import views_from_text
 
@@ -79,9 +95,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             from creditrl.inspect.html import write_html
 
             path = write_html(views, args.html, args.color_by)
-            console.print(f"wrote {path}")
+            console.print("wrote", as_text(path))
     except (ValueError, FileNotFoundError, KeyError, ConfigError) as err:
-        console.print(f"[red]explain:[/red] {err}", markup=True, highlight=False)
+        console.print("[red]explain:[/red]", as_text(err))
         return 2
     return 0
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from rich.console import Console
 
+from creditrl.plain_text import as_text
+
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Handle ``creditrl report``."""
@@ -20,16 +22,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     try:
         while True:
             files = write_report(args.run_dir, args.out, not args.no_png, args.watch)
-            console.print(
-                f"wrote {files.html}" + (f" and {len(files.pngs)} PNGs" if files.pngs else "")
-            )
+            pngs = f" and {len(files.pngs)} PNGs" if files.pngs else ""
+            console.print(as_text(f"wrote {files.html}{pngs}"))
             for note in files.notes:
-                console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+                console.print("[yellow]note:[/yellow]", as_text(note))
             if not args.watch:
                 return 0
             time.sleep(args.watch)
     except FileNotFoundError as err:
-        console.print(f"[red]report:[/red] {err}", highlight=False)
+        console.print("[red]report:[/red]", as_text(err))
         return 2
     except KeyboardInterrupt:
         return 0

@@ -8,7 +8,6 @@ pins it; a line chart of the chosen quantity over t; the full per-token table. T
 
 from __future__ import annotations
 
-import html
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from creditrl.inspect.columns import COLUMNS, INDEX_CONVENTION, NUMERIC, header
 from creditrl.inspect.table import format_cell
 from creditrl.inspect.view import TokenView
+from creditrl.plain_text import as_html, plain
 from creditrl.report.svg import Series, line_chart
 
 __all__ = ["render_html", "write_html"]
@@ -86,7 +86,7 @@ function recolor(){
 function show(el){
   const v = data.views[+el.dataset.view], k = +el.dataset.k;
   const rows = data.order.filter(n => n in v.columns || n === 'token').map(n => {
-    const val = n === 'token' ? JSON.stringify(v.tokens[k]) : fmt(v.columns[n][k], data.kinds[n]);
+    const val = n === 'token' ? v.tokens[k] : fmt(v.columns[n][k], data.kinds[n]);
     return '<tr><td>' + data.headers[n] + '</td><td class="val" data-col="' + n + '">' +
       val.replace(/&/g,'&amp;').replace(/</g,'&lt;') + '</td></tr>';
   });
@@ -143,8 +143,7 @@ def _token_html(view: TokenView, i: int) -> str:
             in_obs = False
         shown = text.replace("\n", "↵\n") if text else "∅"
         out.append(
-            f'<span class="tok" data-view="{i}" data-k="{k}" tabindex="0">'
-            f"{html.escape(shown)}</span>"
+            f'<span class="tok" data-view="{i}" data-k="{k}" tabindex="0">{as_html(shown)}</span>'
         )
     if in_obs:
         out.append("</span>")
@@ -195,17 +194,28 @@ def _charts(view: TokenView, i: int, quantities: list[str], chosen: str) -> str:
 
 def _table(view: TokenView) -> str:
     names = view.present()
-    head = "".join(f'<th title="{html.escape(n)}">{html.escape(header(n))}</th>' for n in names)
+    head = "".join(f'<th title="{as_html(n)}">{as_html(header(n))}</th>' for n in names)
     rows = []
     for k in range(len(view.tokens)):
         cls = ' class="obs"' if view.value("mask", k) == 0 else ""
         cells = "".join(
             f'<td class="{"text" if n == "token" else "num"}" data-col="{n}">'
-            f"{html.escape(format_cell(n, view.value(n, k)))}</td>"
+            f"{as_html(format_cell(n, view.value(n, k)))}</td>"
             for n in names
         )
         rows.append(f'<tr data-k="{k}"{cls}>{cells}</tr>')
     return f'<table class="token-table"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def _shown(view: TokenView) -> dict[str, object]:
+    """``view.as_dict()`` for the page's script: title, prompt and notes as ``plain`` text, the
+    tokens as their table cells (quoted, control characters escaped)."""
+    data = view.as_dict()
+    data["title"] = plain(view.title)
+    data["prompt"] = None if view.prompt is None else plain(view.prompt)
+    data["notes"] = [plain(n) for n in view.notes]
+    data["tokens"] = [format_cell("token", t) for t in view.tokens]
+    return data
 
 
 def render_html(
@@ -221,23 +231,23 @@ def render_html(
         raise ValueError(f"--color-by {color_by!r} is not a numeric column; choose from {NUMERIC}")
     chosen = color_by if color_by in quantities else (quantities[0] if quantities else color_by)
     options = "".join(
-        f'<option value="{q}"{" selected" if q == chosen else ""}>{html.escape(header(q))} '
+        f'<option value="{q}"{" selected" if q == chosen else ""}>{as_html(header(q))} '
         f"({q})</option>"
         for q in quantities
     )
     sections = []
     for i, view in enumerate(views):
         prompt = (
-            f"<details><summary>prompt</summary><pre>{html.escape(view.prompt)}</pre></details>"
+            f"<details><summary>prompt</summary><pre>{as_html(view.prompt)}</pre></details>"
             if view.prompt
             else ""
         )
         settings = ", ".join(f"{k}={v}" for k, v in view.settings.items())
-        notes = "".join(f"<li>{html.escape(n)}</li>" for n in view.notes)
+        notes = "".join(f"<li>{as_html(n)}</li>" for n in view.notes)
         sections.append(
             f'<section class="view" id="view-{i}" data-view="{i}">'
-            f"<h2>{html.escape(view.title)}</h2>{prompt}"
-            f'<div class="settings">{html.escape(settings)}</div>'
+            f"<h2>{as_html(view.title)}</h2>{prompt}"
+            f'<div class="settings">{as_html(settings)}</div>'
             f'<ul class="notes">{notes}</ul>'
             f'<div class="tokens">{_token_html(view, i)}</div>'
             f'<div class="charts">{_charts(view, i, quantities, chosen)}</div>'
@@ -246,31 +256,31 @@ def render_html(
         )
     legend_names = [n for n in COLUMNS if n in have]
     legend = "".join(
-        f"<tr><th>{html.escape(header(n))}</th><td>{html.escape(n)}</td>"
-        f"<td>{html.escape(COLUMNS[n].meaning)}</td></tr>"
+        f"<tr><th>{as_html(header(n))}</th><td>{as_html(n)}</td>"
+        f"<td>{as_html(COLUMNS[n].meaning)}</td></tr>"
         for n in legend_names
     )
     payload = {
-        "views": [v.as_dict() for v in views],
+        "views": [_shown(v) for v in views],
         "order": legend_names,
         "headers": {n: header(n) for n in COLUMNS},
         "kinds": {n: c.kind for n, c in COLUMNS.items()},
     }
     # no "<" at all inside the script element: "</script>" would end it, and "<!--<script>"
     # would make the parser swallow the rest of the page; in JSON it only occurs in strings
-    data = json.dumps(payload, ensure_ascii=False).replace("<", "\\u003c")
+    data = json.dumps(payload).replace("<", "\\u003c")
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
-        f'<p class="convention">{html.escape(INDEX_CONVENTION)}</p>'
+        f"<title>{as_html(title)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>{as_html(title)}</h1>"
+        f'<p class="convention">{as_html(INDEX_CONVENTION)}</p>'
         '<div class="controls"><label>colour tokens by <select id="color-by">'
         f"{options}</select></label> "
         '<span id="scale-lo"></span><span class="scale"></span><span id="scale-hi"></span> '
         "<small>(hover a token for all its values; click to pin)</small></div>"
         f"{''.join(sections)}"
         f'<section class="legend"><h2>legend</h2><table>{legend}</table>'
-        f"<p>{html.escape(INDEX_CONVENTION)}</p></section>"
+        f"<p>{as_html(INDEX_CONVENTION)}</p></section>"
         '<div id="tip" class="tip" hidden></div>'
         f'<script type="application/json" id="explain-data">{data}</script>'
         f"<script>{_JS}</script></body></html>"

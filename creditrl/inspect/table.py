@@ -11,17 +11,18 @@ from rich.table import Table
 
 from creditrl.inspect.columns import COLUMNS, INDEX_CONVENTION, header
 from creditrl.inspect.view import TokenView
+from creditrl.plain_text import as_text, plain
 
 __all__ = ["format_cell", "legend_lines", "print_views", "tsv"]
 
 
 def format_cell(name: str, value: Any) -> str:
     """A cell as text: "-" when unknown, floats with 6 decimals and a sign, tokens quoted (so
-    spaces and newlines show)."""
+    spaces, newlines and control characters show)."""
     if value is None:
         return "-"
     if name == "token":
-        return json.dumps(value, ensure_ascii=False)
+        return plain(json.dumps(value, ensure_ascii=False))
     kind = COLUMNS[name].kind if name in COLUMNS else "float"
     if kind == "int":
         return str(int(value))
@@ -80,25 +81,28 @@ def print_views(
             n: [format_cell(n, view.value(n, k)) for k in range(len(view.tokens))] for n in names
         }
         if view.prompt:
-            console.print(f"[bold]prompt:[/bold] {json.dumps(view.prompt, ensure_ascii=False)}")
+            console.print(
+                "[bold]prompt:[/bold]", as_text(json.dumps(view.prompt, ensure_ascii=False))
+            )
         for part, group in enumerate(_groups(names, cells, console.width)):
             title = view.title if part == 0 else f"{view.title} (continued)"
-            console.print(title, style="bold", markup=False, highlight=False)
+            console.print(as_text(title, style="bold"))
             table = Table()
             for name in group:
                 justify = "left" if name == "token" else "right"
-                table.add_column(header(name), justify=justify, no_wrap=True)
+                table.add_column(as_text(header(name)), justify=justify, no_wrap=True)
             for k in range(len(view.tokens)):
-                table.add_row(*(cells[name][k] for name in group))
+                table.add_row(*(as_text(cells[name][k]) for name in group))
             console.print(table)
         if view.settings:
-            console.print("settings: " + ", ".join(f"{k}={v}" for k, v in view.settings.items()))
+            settings = ", ".join(f"{k}={v}" for k, v in view.settings.items())
+            console.print(as_text(f"settings: {settings}"))
         for note in view.notes:
-            console.print(f"[yellow]note:[/yellow] {note}")
+            console.print("[yellow]note:[/yellow]", as_text(note))
     if legend:
         console.print("[bold]legend[/bold]")
         for line in legend_lines(shown):
-            console.print(f"  {line}", markup=False)
+            console.print(as_text(f"  {line}"))
 
 
 def tsv(views: Sequence[TokenView], columns: Sequence[str] | None = None) -> str:

@@ -8,12 +8,12 @@ itself every N seconds (for ``creditrl report --watch``).
 
 from __future__ import annotations
 
-import html
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from creditrl.plain_text import as_html
 from creditrl.report.metrics_log import MetricsLog, read_metrics
 from creditrl.report.plots import PLOTS, PlotData, plot_data
 from creditrl.report.svg import line_chart
@@ -52,13 +52,13 @@ def _summary(log: MetricsLog, run_dir: Path, now: float) -> str:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(log.last_time))
         rows.append(("last record", f"{stamp} ({age:.0f} s before this report)"))
     rows.append(("report written", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))))
-    body = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    body = "".join(f"<tr><th>{k}</th><td>{as_html(v)}</td></tr>" for k, v in rows)
     warn = []
     if log.partial_last_line:
         warn.append("the last line is being written (run in progress): left out")
     if log.bad_lines:
         warn.append(f"unreadable lines left out: {log.bad_lines[:20]}")
-    notes = "".join(f'<p class="warn">{html.escape(w)}</p>' for w in warn)
+    notes = "".join(f'<p class="warn">{as_html(w)}</p>' for w in warn)
     return f'<table class="summary">{body}</table>{notes}'
 
 
@@ -72,12 +72,12 @@ def _plot_html(data: PlotData) -> str:
     )
     notes = ""
     if data.missing:
-        notes += f'<p class="missing">missing: {html.escape(", ".join(data.missing))}</p>'
+        notes += f'<p class="missing">missing: {as_html(", ".join(data.missing))}</p>'
     if data.absent:
-        notes += f"<p>not logged in this run: {html.escape('; '.join(data.absent))}</p>"
+        notes += f"<p>not logged in this run: {as_html('; '.join(data.absent))}</p>"
     return (
         f'<div class="plot" data-plot="{data.spec.id}" '
-        f'data-missing="{html.escape(",".join(data.missing))}">{svg}{notes}</div>'
+        f'data-missing="{as_html(",".join(data.missing))}">{svg}{notes}</div>'
     )
 
 
@@ -92,8 +92,8 @@ def render_report(
     refresh = f'<meta http-equiv="refresh" content="{refresh_s:g}">' if refresh_s else ""
     page = (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8">{refresh}'
-        f"<title>creditrl report: {html.escape(run_dir.name)}</title><style>{_CSS}</style>"
-        f"</head><body><h1>creditrl report: {html.escape(str(run_dir))}</h1>"
+        f"<title>creditrl report: {as_html(run_dir.name)}</title><style>{_CSS}</style>"
+        f"</head><body><h1>creditrl report: {as_html(str(run_dir))}</h1>"
         f"{_summary(log, run_dir, now)}"
         f'<div class="grid">{"".join(_plot_html(p) for p in plots)}</div></body></html>'
     )

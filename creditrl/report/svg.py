@@ -8,10 +8,11 @@ run of consecutive known values (None/NaN break the line) and a circle per point
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from creditrl.plain_text import as_html
 
 __all__ = ["PALETTE", "Series", "fmt_number", "line_chart", "nice_ticks", "tick_labels"]
 
@@ -129,14 +130,14 @@ def line_chart(
     def sy(y: float) -> float:
         return top + (y_hi - y) / (y_hi - y_lo) * ph
 
-    attrs = f' id="{html.escape(chart_id)}"' if chart_id else ""
+    attrs = f' id="{as_html(chart_id)}"' if chart_id else ""
     out = [
         f'<svg class="chart" xmlns="http://www.w3.org/2000/svg"{attrs} '
-        f'data-title="{html.escape(title)}" width="{width}" height="{height}" '
+        f'data-title="{as_html(title)}" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img">',
-        f"<title>{html.escape(title)}</title>",
+        f"<title>{as_html(title)}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
-        f'<text x="{left}" y="16" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+        f'<text x="{left}" y="16" font-size="13" font-weight="bold">{as_html(title)}</text>',
     ]
     for a, b in shade:
         x0, x1 = sx(max(a, x_lo)), sx(min(b, x_hi))
@@ -166,17 +167,17 @@ def line_chart(
         out.append(
             f'<line class="mark" x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" '
             f'stroke="#555" stroke-dasharray="2 2"/><text x="{sx(x) + 2:.1f}" y="{top + 10}" '
-            f'font-size="9" fill="#555">{html.escape(label)}</text>'
+            f'font-size="9" fill="#555">{as_html(label)}</text>'
         )
     out.append(
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
         f'<text x="{left + pw / 2:.1f}" y="{height - 6}" font-size="11" '
-        f'text-anchor="middle">{html.escape(x_label)}</text>'
+        f'text-anchor="middle">{as_html(x_label)}</text>'
     )
     if y_label:
         out.append(
             f'<text transform="translate(12 {top + ph / 2:.1f}) rotate(-90)" font-size="11" '
-            f'text-anchor="middle">{html.escape(y_label)}</text>'
+            f'text-anchor="middle">{as_html(y_label)}</text>'
         )
     for i, s in enumerate(series):
         out.append(_series_svg(s, s.color or PALETTE[i % len(PALETTE)], sx, sy, i))
@@ -186,7 +187,7 @@ def line_chart(
             out.append(
                 f'<g class="legend-item"><rect x="{lx:.1f}" y="{ly - 8}" width="10" '
                 f'height="10" fill="{color}"/><text x="{lx + 14:.1f}" y="{ly + 1}" '
-                f'font-size="10">{html.escape(s.name)}</text></g>'
+                f'font-size="10">{as_html(s.name)}</text></g>'
             )
     out.append("</svg>")
     return "".join(out)
@@ -210,7 +211,7 @@ def _series_svg(
             continue
         segments[-1].append((float(x), float(y)))
     parts = [
-        f'<g class="series" data-series="{html.escape(s.name)}" '
+        f'<g class="series" data-series="{as_html(s.name)}" '
         f'data-points="{len(s.points())}" fill="{color}" stroke="{color}">'
     ]
     for seg in segments:
@@ -222,7 +223,7 @@ def _series_svg(
     for x, y in s.points():
         parts.append(
             f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{radius:.1f}" stroke="none">'
-            f"<title>{html.escape(s.name)} @ {fmt_number(x)}: {y:.6g}</title></circle>"
+            f"<title>{as_html(s.name)} @ {fmt_number(x)}: {y:.6g}</title></circle>"
         )
     parts.append("</g>")
     return "".join(parts)
