@@ -110,7 +110,7 @@ def train(
     scorer = as_scorer(reward_fn, cfg.reward.scorer_kwargs)
     for split, rows in files.items():
         _write_rows(rows, paths[split])
-    console = Console()
+    console = Console(highlight=False, emoji=False)
     for line in loaded.warnings:
         print_warning(console, line)
     SCORERS[name] = scorer

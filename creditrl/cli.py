@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.commands import SUBCOMMANDS
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources, to_dict
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def describe_sizes(cfg: Config) -> str:
@@ -33,12 +33,12 @@ def describe_sizes(cfg: Config) -> str:
 def print_error(console: Console, err: Exception) -> None:
     """``err`` as one red line "error: ..." (a UserError's message is the whole story)."""
     text = " ".join(str(err).splitlines())
-    console.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True, highlight=False)
+    console.print("[red]error:[/red]", as_text(text), soft_wrap=True)
 
 
 def print_warning(console: Console, text: str) -> None:
     """One yellow line "warning: ..."."""
-    console.print(f"[yellow]warning: {escape(text)}[/yellow]", soft_wrap=True, highlight=False)
+    console.print(as_text(f"warning: {text}", style="yellow"), soft_wrap=True)
 
 
 def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
-        console = Console(width=160)
+        console = Console(width=160, highlight=False, emoji=False)
     if getattr(args, "handler", None) is not None:
         return int(args.handler(args, console))
     config_file, overrides = _split_args(args.args)
@@ -121,13 +121,13 @@ def _run(command: str, config_file: Path | None, overrides: list[str], console: 
     if command == "config":
         from omegaconf import OmegaConf
 
-        console.print(OmegaConf.to_yaml(to_dict(cfg)), markup=False, highlight=False)
-        console.print(describe_sizes(cfg), highlight=False)
+        console.print(as_text(OmegaConf.to_yaml(to_dict(cfg))))
+        console.print(describe_sizes(cfg))
         return 0
     from creditrl.tracking import print_summary
     from creditrl.trainers.rl_trainer import RLTrainer
 
-    console.print(describe_sizes(cfg), highlight=False)
+    console.print(describe_sizes(cfg))
     trainer = RLTrainer(cfg, console=console)
     from creditrl.controller.ray_group import WorkerError
 
@@ -138,10 +138,12 @@ def _run(command: str, config_file: Path | None, overrides: list[str], console: 
         print_warning(console, trainer.interruption())
         return 130
     except WorkerError as err:
-        console.print(f"[red]worker error:[/red] {err}", markup=True)
+        console.print("[red]worker error:[/red]", as_text(err))
         console.print(
-            f"the run stopped; rerun the same command to resume from the last checkpoint in "
-            f"{cfg.trainer.output_dir}/checkpoints"
+            as_text(
+                "the run stopped; rerun the same command to resume from the last checkpoint in "
+                f"{Path(cfg.trainer.output_dir) / 'checkpoints'}"
+            )
         )
         return 1
     print_summary(console, summary.as_dict())

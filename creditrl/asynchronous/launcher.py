@@ -30,6 +30,7 @@ from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources
+from creditrl.plain_text import as_markup
 from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
 
 __all__ = [
@@ -203,7 +204,8 @@ def _exit_status(code: int) -> tuple[int, str]:
 def _report(child: Child, console: Any) -> int:
     code, words = _exit_status(int(child.proc.returncode))
     console.print(
-        f"[red]async:[/red] {child.name} {words}; stopping the run (log: {child.log_path})",
+        f"[red]async:[/red] {child.name} {words}; stopping the run "
+        f"(log: {as_markup(child.log_path)})",
         markup=True,
     )
     print_tail(console, child.name, child.last_lines())

@@ -87,6 +87,7 @@ from creditrl.pipeline.step import (
     build_run_datasets,
     rollout_log_probs_are_actors,
 )
+from creditrl.plain_text import as_text
 from creditrl.tracking import (
     RolloutDumper,
     Timer,
@@ -249,9 +250,11 @@ class Learner:
             }
             self.tracker.truncate_after(self.step)
             self.console.print(
-                f"learner: resumed from step {self.step} ({latest.name}); "
-                f"{dropped['episodes']} in-flight episode(s) in {dropped['groups']} group(s) "
-                "were trained after that checkpoint and are dropped"
+                as_text(
+                    f"learner: resumed from step {self.step} ({latest.name}); "
+                    f"{dropped['episodes']} in-flight episode(s) in {dropped['groups']} group(s) "
+                    "were trained after that checkpoint and are dropped"
+                )
             )
         return True
 
@@ -573,7 +576,7 @@ class Learner:
             **{f"resume_{k}": v for k, v in self.resume_report.items()},
         }
         if self.main:
-            self.console.print(f"learner: done {json.dumps(summary)}")
+            self.console.print(as_text(f"learner: done {json.dumps(summary)}"))
         return summary
 
     def _check_replicas(self) -> None:

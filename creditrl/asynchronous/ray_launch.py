@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.asynchronous.transport import endpoint, is_loopback
@@ -49,6 +47,7 @@ from creditrl.controller.placement import (
     remove_placement,
 )
 from creditrl.errors import ConfigError, UserError
+from creditrl.plain_text import as_markup, as_text
 
 __all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]
 
@@ -190,7 +189,8 @@ def _kill(runs: Sequence[ActorRun]) -> None:
 
 def _report(run: ActorRun, code: int, words: str, lines: list[str], console: Any) -> int:
     console.print(
-        f"[red]async:[/red] {escape(run.name)} {escape(words.splitlines()[0] if words else '')}"
+        f"[red]async:[/red] {as_markup(run.name)} "
+        f"{as_markup(words.splitlines()[0] if words else '')}"
         "; stopping the run",
         markup=True,
         highlight=False,
@@ -250,7 +250,7 @@ def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRu
             f"[red]async:[/red] the Ray cluster did not place {len(roles)} actor(s) of "
             f"{bundle} (trainer.ray.cpus_per_worker / gpus_per_worker, placement_strategy="
             f"{ray_cfg.placement_strategy}) within {timeout:.0f} s (trainer.call_timeout_s); "
-            f"it has {escape(str(ray.cluster_resources()))}",
+            f"it has {as_markup(ray.cluster_resources())}",
             highlight=False,
         )
         return 1
@@ -281,8 +281,8 @@ def _locate(runs: Sequence[ActorRun], timeout: float, console: Any) -> list[list
         except (GetTimeoutError, RayError) as err:
             first = next((line for line in str(err).splitlines() if line.strip()), "")
             console.print(
-                f"[red]async:[/red] {escape(run.name)} did not start as a Ray actor: "
-                f"{type(err).__name__}: {escape(first.strip())}",
+                f"[red]async:[/red] {as_markup(run.name)} did not start as a Ray actor: "
+                f"{type(err).__name__}: {as_markup(first.strip())}",
                 highlight=False,
             )
             return 1
@@ -330,11 +330,11 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
             for run, place in zip(everyone, places, strict=True)
         )
         console.print(
-            f"async on Ray: {len(learners)} learner rank(s) + {len(samplers)} sampler(s), "
-            f"learner at {endpoint(host, asynchronous.port)}, output in "
-            f"{cfg.trainer.output_dir}; nodes: {nodes}",
-            markup=False,
-            highlight=False,
+            as_text(
+                f"async on Ray: {len(learners)} learner rank(s) + {len(samplers)} sampler(s), "
+                f"learner at {endpoint(host, asynchronous.port)}, output in "
+                f"{cfg.trainer.output_dir}; nodes: {nodes}"
+            ),
             soft_wrap=True,
         )
         cfg_json = json.dumps(to_dict(run_cfg))

@@ -59,6 +59,7 @@ from creditrl.pipeline.step import (
     build_run_datasets,
     sampled_temperature,
 )
+from creditrl.plain_text import as_text
 from creditrl.tracking import Timer, Tracker
 from creditrl.workers.hybrid import HybridWorker
 
@@ -252,9 +253,12 @@ class Sampler:
             return
         if message.kind == "disconnected":
             self.console.print(
-                f"[red]sampler {self.sampler_id}:[/red] the learner disconnected this sampler: "
-                f"{message.header.get('reason', '?')!s:.200}; check that the sampler runs the "
-                "learner's code and config (rejected groups are logged by the learner)"
+                f"[red]sampler {self.sampler_id}:[/red]",
+                as_text(
+                    f"the learner disconnected this sampler: "
+                    f"{message.header.get('reason', '?')!s:.200}; check that the sampler runs "
+                    "the learner's code and config (rejected groups are logged by the learner)"
+                ),
             )
             self.stopped = True
             self.exit_code = 1

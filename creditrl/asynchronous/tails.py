@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from creditrl.plain_text import as_text
+
 __all__ = ["TAIL_LINES", "print_tail"]
 
 TAIL_LINES = 20  # output lines of a failed child that are shown
@@ -14,9 +16,9 @@ TAIL_LINES = 20  # output lines of a failed child that are shown
 def print_tail(console: Any, name: str, lines: Sequence[str]) -> None:
     """The last output lines of a failed process or actor, then how to resume."""
     if lines:
-        console.print(f"last {len(lines)} line(s) of {name}:", markup=False)
+        console.print(as_text(f"last {len(lines)} line(s) of {name}:"))
         for line in lines:
-            console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
+            console.print(as_text(f"  | {line}"), soft_wrap=True)
     console.print(
         "async: rerun the same command to resume (the learner from its last checkpoint, the "
         "samplers resend their unacknowledged groups)",

@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -17,7 +17,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from creditrl.asynchronous.transport import make_curve_keys
 
         path = make_curve_keys(args.make_keys)
-        console.print(f"CURVE keys in {path}; set asynchronous.curve_keys_dir={path}")
+        console.print(as_text(f"CURVE keys in {path}; set asynchronous.curve_keys_dir={path}"))
         return 0
     from creditrl.asynchronous.launcher import launch, load_from_args
     from creditrl.asynchronous.settings import check_async_config
@@ -29,16 +29,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         check_async_config(cfg)
         notes = preflight(cfg)  # user code, data files and scorers, before any process starts
     except (UserError, ValueError) as err:
-        console.print(f"[red]error:[/red] {escape(str(err))}")
+        console.print("[red]error:[/red]", as_text(err))
         return 2
     for line in warnings:
-        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+        console.print("[yellow]warning:[/yellow]", as_text(line))
     for line in notes:
-        console.print(f"[yellow]note:[/yellow] {escape(line)}")
+        console.print("[yellow]note:[/yellow]", as_text(line))
     try:
         return launch(cfg, config_file, overrides, console)
     except UserError as err:  # the output folder is in use, or is no folder
-        console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True, highlight=False)
+        console.print("[red]error:[/red]", as_text(err), soft_wrap=True)
         return 2
 
 

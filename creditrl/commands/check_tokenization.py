@@ -20,21 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
+
+from creditrl.plain_text import as_text
 
 __all__ = ["demo_batch", "register", "run"]
 
 
-def _describe(found: Any) -> str:
+def _describe(found: Any) -> Text:
     if found is None:
-        return "[green]ok[/green]"
+        return Text("ok", style="green")
     if found == "skipped":
-        return "skipped"
+        return Text("skipped")
     a, b = [k for k in found if k.endswith("_tokens")]
-    return (
-        f"[red]mismatch[/red] at id {found['index']}: {escape(str(found[a][:4]))} vs "
-        f"{escape(str(found[b][:4]))}"
+    return Text.assemble(
+        ("mismatch", "red"),
+        as_text(f" at id {found['index']}: {found[a][:4]} vs {found[b][:4]}"),
     )
 
 
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     try:
         cfg = load_config(config_file, items)
     except ConfigError as err:
-        console.print(f"[red]config error:[/red] {escape(str(err))}")
+        console.print("[red]config error:[/red]", as_text(err))
         return 2
     if args.demo:
         path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)

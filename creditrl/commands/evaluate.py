@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def _number(value: float | None) -> str:
@@ -37,11 +37,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> list[dict[str, floa
     plan = plan_eval(args.args, args.compare)
     for line in plan.warnings:
         print_warning(console, line)
-    console.print(f"config: {escape(str(plan.config_file or 'the defaults'))}", soft_wrap=True)
+    console.print(as_text(f"config: {plan.config_file or 'the defaults'}"), soft_wrap=True)
     results = []
     for label, spec, target in zip("AB", plan.specs, plan.targets, strict=False):
         name = f"{label}: " if args.compare else ""
-        console.print(f"{name}evaluating {escape(_describe(spec, target))}", soft_wrap=True)
+        console.print(as_text(f"{name}evaluating {_describe(spec, target)}"), soft_wrap=True)
         for line in getattr(target, "skipped", ()):
             print_warning(console, f"checkpoint {line} is damaged; evaluating an older one")
         with evaluated_model(target) as model_dir:
@@ -60,13 +60,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return 2
     if not args.compare:
         for key, value in sorted(results[0].items()):
-            console.print(f"{key}: {value:.4f}")
+            console.print(as_text(f"{key}: {value:.4f}"), soft_wrap=True)
         return 0
     a, b = results
     console.print("metric: A -> B (B - A)")
     for key in sorted(set(a) | set(b)):
         diff = f" ({b[key] - a[key]:+.4f})" if key in a and key in b else ""
-        console.print(f"{key}: {_number(a.get(key))} -> {_number(b.get(key))}{diff}")
+        line = f"{key}: {_number(a.get(key))} -> {_number(b.get(key))}{diff}"
+        console.print(as_text(line), soft_wrap=True)
     return 0
 
 

@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -42,8 +42,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         print_warning(console, line)
     what = "adapter" if args.adapter else "model"
     console.print(
-        f"exported the {what} of step {result.step} ({escape(str(result.checkpoint))}) to "
-        f"{escape(str(result.out_dir))}: {', '.join(result.files)}",
+        as_text(
+            f"exported the {what} of step {result.step} ({result.checkpoint}) to "
+            f"{result.out_dir}: {', '.join(result.files)}"
+        ),
         soft_wrap=True,
     )
     return 0

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         # rank 0 owns the output folder: one run at a time (the launcher hands over its lock)
         lock = RunLock.acquire(Path(cfg.trainer.output_dir)) if args.rank == 0 else None
     except UserError as err:
-        console.print(f"[red]error:[/red] {escape(str(err))}")
+        console.print("[red]error:[/red]", as_text(err))
         return 2
     try:
         if world > 1:

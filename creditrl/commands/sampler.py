@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         cfg, _, _ = load_from_args(args.args)
         sampler = Sampler(cfg, args.index, console=console)
     except UserError as err:
-        console.print(f"[red]sampler {args.index}:[/red] {escape(str(err))}")
+        console.print(f"[red]sampler {args.index}:[/red]", as_text(err))
         return 2
     return sampler.run()
 

@@ -19,6 +19,8 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from creditrl.plain_text import as_text
+
 __all__ = ["KEY_METRICS", "TrainingProgress", "print_summary", "reward_trend"]
 
 # (label, metric names tried in order; a name ending in "/" matches the first key with that
@@ -73,10 +75,10 @@ class TrainingProgress:
         if console.is_terminal:
             self._progress = Progress(
                 SpinnerColumn(),
-                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("step {task.completed}/{task.total}", markup=False),
                 BarColumn(),
-                TextColumn("{task.fields[times]}"),
-                TextColumn("{task.fields[numbers]}"),
+                TextColumn("{task.fields[times]}", markup=False),
+                TextColumn("{task.fields[numbers]}", markup=False),
                 console=console,
             )
             self._task = self._progress.add_task(
@@ -111,9 +113,7 @@ class TrainingProgress:
             self._progress.update(self._task, completed=step, times=times, numbers=self.line())
             return
         parts = [f"step {step}/{self.total_steps}", self.line(), times]
-        self.console.print(
-            " | ".join(p for p in parts if p), markup=False, highlight=False, soft_wrap=True
-        )
+        self.console.print(as_text(" | ".join(p for p in parts if p)), soft_wrap=True)
 
     def close(self) -> None:
         """Stop redrawing (the bar stays on screen)."""
@@ -183,5 +183,5 @@ def print_summary(console: Console, summary: Mapping[str, Any]) -> None:
         ):
             path = out / name
             note = "" if path.exists() else "  (not written)"
-            table.add_row(label, f"{path}{'/' if name.endswith('/') else ''}{note}")
+            table.add_row(label, as_text(f"{path}{'/' if name.endswith('/') else ''}{note}"))
     console.print(Panel(table, title="run summary", expand=False))

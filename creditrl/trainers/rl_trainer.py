@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
-from rich.markup import escape
 
 from creditrl.batch import Batch, balance_batch
 from creditrl.config import Config
@@ -29,6 +28,7 @@ from creditrl.pipeline.step import (
     build_run_datasets,
     rollout_log_probs_reusable,
 )
+from creditrl.plain_text import as_text
 from creditrl.preflight import preflight
 from creditrl.tracking import (
     RolloutDumper,
@@ -88,7 +88,7 @@ class RLTrainer:
 
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
-        self.console = console or Console()
+        self.console = console or Console(highlight=False, emoji=False)
         self.out = Path(cfg.trainer.output_dir)
         self.run_lock = RunLock.acquire(self.out)  # held until close(): one run per folder
         try:
@@ -100,7 +100,7 @@ class RLTrainer:
     def _build(self) -> None:
         cfg = self.cfg
         for notice in preflight(cfg):  # user code, data files and scorers, before any model
-            self.console.print(f"[yellow]note:[/yellow] {escape(notice)}")
+            self.console.print("[yellow]note:[/yellow]", as_text(notice))
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
@@ -116,7 +116,7 @@ class RLTrainer:
         self.use_critic = self.pipeline.plan.needs_critic
         device = actor_device(cfg)
         self.health = FirstMinibatchMonitor.for_autocast(update_autocast(cfg))
-        self.console.print(f"[dim]{escape(autocast_choice(cfg.actor.autocast, device))}[/dim]")
+        self.console.print(as_text(autocast_choice(cfg.actor.autocast, device), style="dim"))
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
@@ -260,7 +260,7 @@ class RLTrainer:
         metrics.update(update)
         warning = self.health.check(metrics)
         if warning:
-            self.console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+            self.console.print("[yellow]warning:[/yellow]", as_text(warning))
         timing["step"] = time.perf_counter() - start
         metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(compute_timing_metrics(timing, batch))
@@ -291,7 +291,7 @@ class RLTrainer:
                 note = f"resuming {self.out} from step {self.step} of {cfg.total_steps}"
                 if self.step >= cfg.total_steps:
                     note += " (already finished: raise trainer.total_steps or use a new output_dir)"
-                self.console.print(note)
+                self.console.print(as_text(note))
             elif cfg.val_before_train:
                 self.val_before = self.validate()
                 self.tracker.log(self.val_before, step=0)
