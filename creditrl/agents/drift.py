@@ -134,7 +134,8 @@ def check_batch(
 
     Needs ``prompts``, ``responses``, ``attention_mask``; the template check also needs the
     ``messages`` field and is skipped per sample without it or with ``observation_truncated``
-    in its ``agent_info``. Returns the two mismatch rates (over the samples checked) with the
+    in its ``agent_info``; rows with ``num_turns`` 0 (no model turn) are not checked. Returns
+    the two mismatch rates (over the samples checked) with the
     counts, and one report per sample (None for unchecked samples):
     ``{"retokenize": divergence | None, "template": divergence | None | "skipped"}``.
     """
@@ -145,6 +146,9 @@ def check_batch(
         picked = _rows(size, rows)
     else:
         picked = list(rows)
+    if "num_turns" in batch:  # an episode with no model turn has nothing to check
+        turns = batch["num_turns"].cpu()
+        picked = [i for i in picked if int(turns[i]) > 0]
     responses = batch["responses"].cpu()
     t = responses.shape[-1]
     attn = batch["attention_mask"].cpu()

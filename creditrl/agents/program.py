@@ -85,16 +85,20 @@ def _reward(value: Any) -> tuple[Any, str]:
     """(the reward for the scorer, "") or (None, why it is refused)."""
     if isinstance(value, bool):
         return None, "a bool is not a reward"
-    if isinstance(value, int | float):
+    score = value.get("score") if isinstance(value, Mapping) else value
+    if isinstance(score, bool) or not isinstance(score, int | float):
         return (
-            (float(value), "") if math.isfinite(value) else (None, f"reward {value} is not finite")
+            None,
+            f"a program returns a float, a dict with a number 'score', or None; got "
+            f"{type(value).__name__}",
         )
-    if isinstance(value, Mapping) and isinstance(value.get("score"), int | float):
-        return dict(value), ""
-    return (
-        None,
-        f"a program returns a float, a dict with 'score', or None; got {type(value).__name__}",
-    )
+    try:
+        number = float(score)
+    except OverflowError:
+        return None, "the reward is out of the float range"
+    if not math.isfinite(number):
+        return None, f"reward {number} is not finite"
+    return ({**value, "score": number} if isinstance(value, Mapping) else number), ""
 
 
 class _Run:
@@ -352,7 +356,8 @@ class ProgramRollout(EngineRollout):
             raise EndpointError(
                 400,
                 f"the first request renders to {len(ids)} tokens, more than "
-                f"data.max_prompt_length={self.max_prompt_length}",
+                f"data.max_prompt_length={self.max_prompt_length} (messages, and tools where "
+                f"the chat template renders them); raise data.max_prompt_length",
                 "invalid_request_error",
                 "prompt_too_long",
             )

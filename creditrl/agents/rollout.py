@@ -14,6 +14,12 @@ Masks (spec 001): ``attention_mask`` is 1 on every real token, observations incl
 ``agent.state_masking=false`` it is the response part of ``attention_mask``, as spec 001's
 mask table prescribes for that setting. ``rollout_log_probs`` is 0 on observation tokens.
 
+An episode that recorded no model turn (an agent program that failed first, a first prompt the
+engine returned nothing for) is one placeholder response token (the pad id, mask 1, turn 0,
+``num_turns`` 0): it carries the episode's score (``reward.fallback_score``) through scoring
+and advantages, and the pipeline masks it out before any update
+(``creditrl.pipeline.stages.score_only_rows``), so it is counted and never trained on.
+
 ``last_metrics`` holds the latest batch's ``agent_metrics`` (``tools/*``, ``num_turns/*``,
 ``agent/*``); ``last_stats["prefill_tokens"]`` the tokens prefilled over all its turns, when
 the turn generator counts them (``EngineTurnGenerator.last_run_stats``). The drift checks run
@@ -68,15 +74,21 @@ def trajectories_to_batch(
         real[i, :n] = 1
         turn_ids[i, :n] = torch.tensor(traj.turn_ids, dtype=torch.long)
         log_probs[i, :n] = torch.tensor(traj.log_probs, dtype=torch.float32)
+    response_mask = policy_mask if state_masking else real.clone()
+    empty = [i for i, t in enumerate(trajectories) if not t.response_ids]
+    real[empty, 0] = 1  # the placeholder that carries an empty episode's score
+    response_mask[empty, 0] = 1
     out = assemble_rollout_batch(
         prompts,
         responses,
         log_probs,
         real,
-        response_mask=policy_mask if state_masking else real.clone(),
+        response_mask=response_mask,
         extra={
             "turn_ids": turn_ids,
-            "num_turns": torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
+            "num_turns": torch.tensor(
+                [t.num_turns if t.response_ids else 0 for t in trajectories], dtype=torch.long
+            ),
         },
     )
     non_tensors = out.non_tensors

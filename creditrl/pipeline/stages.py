@@ -26,8 +26,11 @@ __all__ = [
     "apply_overlong_penalty",
     "compute_advantages",
     "kl_into_rewards",
+    "mask_score_only_rows",
+    "neutral_score_only_rows",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
+    "score_only_rows",
     "varied_groups",
 ]
 
@@ -43,6 +46,8 @@ READS: dict[str, tuple[str, ...]] = {
     "rollout_is_weights": ("old_log_probs", "rollout_log_probs", "response_mask"),
     "compute_advantages": ("token_level_rewards", "response_mask", "uid"),
     "varied_groups": ("token_level_scores", "uid"),
+    "neutral_score_only_rows": ("num_turns", "old_log_probs"),
+    "mask_score_only_rows": ("num_turns", "response_mask"),
 }
 WRITES: dict[str, tuple[str, ...]] = {
     "add_uids": ("uid",),
@@ -53,6 +58,8 @@ WRITES: dict[str, tuple[str, ...]] = {
     "rollout_is_weights": ("rollout_is_weights", "loss_mask"),
     "compute_advantages": ("advantages", "returns"),
     "varied_groups": (),
+    "neutral_score_only_rows": ("rollout_log_probs", "ref_log_prob"),
+    "mask_score_only_rows": ("response_mask", "loss_mask", "advantages", "rollout_is_weights"),
 }
 
 
@@ -183,3 +190,37 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
     )
     batch["advantages"] = adv
     batch["returns"] = returns
+
+
+def score_only_rows(batch: Batch) -> torch.Tensor:
+    """(B,) bool: rows that carry a score and no trained token, the agent episodes that
+    recorded no model turn (``num_turns`` 0: one placeholder response token with mask 1,
+    ``creditrl.agents.rollout.trajectories_to_batch``). All False for other batches."""
+    if "num_turns" not in batch:
+        return torch.zeros(len(batch), dtype=torch.bool)
+    return batch["num_turns"].cpu() == 0
+
+
+def neutral_score_only_rows(batch: Batch) -> None:
+    """The placeholder was never sampled: its rollout and reference log-probs become the old
+    ones, so the KL penalty, the mismatch metrics and the importance weights see ratio 1 and
+    KL 0 there and the score-only rows keep exactly their score. Run before the KL stage."""
+    rows = score_only_rows(batch)
+    if not bool(rows.any()):
+        return
+    old = batch["old_log_probs"]
+    for key in ("rollout_log_probs", "ref_log_prob"):
+        if key in batch:
+            batch[key][rows] = old[rows].to(batch[key].dtype)
+
+
+def mask_score_only_rows(batch: Batch) -> None:
+    """Score-only rows out of every update: ``response_mask``, ``loss_mask``, ``advantages``
+    and ``rollout_is_weights`` 0 on them. Run after the advantages (which counted their
+    score in their group) and before the critic and actor updates."""
+    rows = score_only_rows(batch)
+    if not bool(rows.any()):
+        return
+    for key in ("response_mask", "loss_mask", "advantages", "rollout_is_weights"):
+        if key in batch:
+            batch[key][rows] = 0

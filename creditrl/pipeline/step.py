@@ -13,6 +13,7 @@ the pipeline cannot tell where the models live.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,8 +218,10 @@ class StepPipeline:
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         """KL into rewards -> overlong shaping -> mismatch metrics -> rollout IS -> advantages
-        (the model-free block; ``kl_ctrl`` moves with the measured KL)."""
+        (the model-free block; ``kl_ctrl`` moves with the measured KL); score-only rows (agent
+        episodes with no model turn) are neutral in the first four and masked out after."""
         alg = self.algorithm
+        stages.neutral_score_only_rows(batch)
         metrics = stages.kl_into_rewards(batch, alg, self.kl_ctrl.value)
         if "actor/reward_kl_penalty" in metrics:
             self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
@@ -228,6 +231,7 @@ class StepPipeline:
         metrics.update(stages.rollout_mismatch_metrics(batch))
         metrics.update(stages.rollout_is_weights(batch, alg))
         stages.compute_advantages(batch, alg)
+        stages.mask_score_only_rows(batch)
         return metrics
 
     # ---- validation ----------------------------------------------------------------------
@@ -237,7 +241,8 @@ class StepPipeline:
         (mean@1), val/<source>/pass@k when ``val_n`` > 1, and val/<source>/strict_accuracy
         when the scorer reports ``answer_score`` and ``format_score`` (tagged and correct);
         val/agent/* the reward's per-sample agent metrics (e.g. agent/tool_then_correct)
-        averaged over the validation samples."""
+        averaged over the validation samples, and val/agent/episodes_<status> the agent
+        program's episodes counted by how they ended."""
         if not rows:
             return {}
         cfg = self.cfg.rollout
@@ -245,6 +250,7 @@ class StepPipeline:
         scores: dict[str, list[float]] = {}
         strict: dict[str, list[float]] = {}
         agent: dict[str, float] = {}  # agent/* reward metrics x samples, summed over chunks
+        episodes: Counter[str] = Counter()
         for start in range(0, len(rows), chunk_size):
             prompts = collate_prompts(
                 list(rows[start : start + chunk_size]), self.tokenizer.pad_token_id
@@ -253,6 +259,11 @@ class StepPipeline:
                 prompts, greedy=cfg.val_temperature == 0, temperature=cfg.val_temperature or None
             )
             result = self.reward(batch)
+            episodes.update(
+                str(info["episode"])
+                for info in batch.get("agent_info", ())
+                if isinstance(info, dict) and "episode" in info
+            )
             for key, value in getattr(result, "metrics", {}).items():
                 if key.startswith("agent/"):
                     agent[key] = agent.get(key, 0.0) + value * len(batch)
@@ -277,4 +288,5 @@ class StepPipeline:
             out["val/strict_accuracy"] = float(np.mean([v for vs in strict.values() for v in vs]))
         total = sum(len(vs) for vs in scores.values())
         out.update({f"val/{key}": value / total for key, value in agent.items()})
+        out.update({f"val/agent/episodes_{k}": float(n) for k, n in sorted(episodes.items())})
         return out

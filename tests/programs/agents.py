@@ -58,3 +58,13 @@ async def long_first_request(row, client):
     messages = [*row["messages"], {"role": "user", "content": "word " * 3000}]
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
     return 1.0
+
+
+async def raises_first(row, client):
+    """Raises before its first call: no model turn is recorded."""
+    raise ValueError("the tool server is down")
+
+
+async def huge_reward(row, client):
+    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=2)
+    return 10**400
