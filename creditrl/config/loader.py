@@ -3,9 +3,9 @@ then check it (``validate.py``).
 
 Every mistake is a one-line ConfigError naming the file or override and the key: a malformed
 override, a YAML syntax error (with its line), a file that is not a mapping, an unknown key
-(verl's names are answered with creditrl's, others with the nearest key), a section given a
-value, a value of the wrong type. One value given to a list key (``data.train_files=a.jsonl``)
-is a one-item list.
+(verl's and TRL's names are answered with creditrl's, others with the nearest key), a section
+given a value, a value of the wrong type. One value given to a list key
+(``data.train_files=a.jsonl``) is a one-item list.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from omegaconf.errors import (
 
 from creditrl.config.limits import MAX_CONFIG_BYTES, check_override, check_yaml, shorten
 from creditrl.config.schema import Config
+from creditrl.config.trl_names import trl_hint
 from creditrl.config.validate import (
     format_value,
     import_extensions,
@@ -126,18 +127,27 @@ def _suggest(key: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _unknown(key: str, value: Any, source: str) -> ConfigError:
-    """The error for an unknown key, named down to its first leaf (``a.b.c`` for ``a: {b: {c:
-    1}}``): creditrl's name for a verl key, else the nearest key."""
-    while isinstance(value, dict) and value:
-        first = next(iter(value))
-        key, value = f"{key}.{first}", value[first]
+def _unknown_key(key: str, source: str) -> ConfigError:
+    """The error for the unknown key ``key``: creditrl's name for a verl or TRL name (or, for
+    a TRL name without an exact equivalent, what differs), else the nearest key."""
     ours = creditrl_name(key, _schema())
     if ours is not None:
         return ConfigError(
             f"unknown key '{key}' (verl's name, from {source}); creditrl calls it '{ours}'"
         )
+    hint = trl_hint(key)
+    if hint is not None:
+        return ConfigError(f"unknown key '{key}' (TRL's name, from {source}); {hint}")
     return ConfigError(f"unknown key '{key}' (from {source}){_suggest(key)}")
+
+
+def _unknown(key: str, value: Any, source: str) -> ConfigError:
+    """The error for an unknown key, named down to its first leaf (``a.b.c`` for ``a: {b: {c:
+    1}}``)."""
+    while isinstance(value, dict) and value:
+        first = next(iter(value))
+        key, value = f"{key}.{first}", value[first]
+    return _unknown_key(key, source)
 
 
 def _normalise(tree: dict, source: str, explicit: set[str], prefix: str = "") -> dict[str, Any]:
@@ -190,7 +200,7 @@ def _merge(base: DictConfig, tree: dict[str, Any], source: str) -> DictConfig:
         return OmegaConf.merge(base, tree)
     except (ConfigKeyError, ConfigAttributeError) as err:
         key = str(getattr(err, "full_key", "") or err.key)
-        raise ConfigError(f"unknown key '{key}' (from {source}){_suggest(key)}") from None
+        raise _unknown_key(key, source) from None
     except ValidationError as err:
         key = str(getattr(err, "full_key", "") or "")
         value = shorten(format_value(_lookup(tree, key)))
