@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from creditrl.commands import SUBCOMMANDS
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources, to_dict
 from creditrl.errors import UserError
-from creditrl.plain_text import as_text
+from creditrl.plain_text import as_text, plain
 
 
 def describe_sizes(cfg: Config) -> str:
@@ -39,6 +40,24 @@ def print_error(console: Console, err: Exception) -> None:
 def print_warning(console: Console, text: str) -> None:
     """One yellow line "warning: ..."."""
     console.print(as_text(f"warning: {text}", style="yellow"), soft_wrap=True)
+
+
+class PlainLogFormatter(logging.Formatter):
+    """Log records as ``plain`` text: a warning may quote model output, a data row or a path."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return plain(super().format(record))
+
+
+def log_plainly() -> None:
+    """Warnings and errors to stderr as ``plain`` text, as Python prints them when logging is
+    not configured; nothing when it is (an application's handlers are left alone)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(PlainLogFormatter())
+        root.addHandler(handler)
 
 
 def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
@@ -74,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
+    log_plainly()
     console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         console = Console(width=160, highlight=False, emoji=False)

@@ -317,10 +317,10 @@ def test_eval_of_a_run_a_checkpoint_and_an_export_reproduces_the_last_validation
     assert 0 < last < 1
     listing = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
     config = (run / "config.yaml").read_text()
-    assert main(["eval", str(run)]) == 0
+    assert main(["eval", str(run), "--trust-run-code"]) == 0  # the run's scorer is a file
     assert eval_lines(capsys)["val/score"] == f"{last:.4f}"
     step2 = run / "checkpoints" / "step_000002"
-    assert main(["eval", f"model.path={step2}"]) == 0
+    assert main(["eval", f"model.path={step2}", "--trust-run-code"]) == 0
     assert eval_lines(capsys)["val/score"] == f"{last:.4f}"
     out = tmp_path / "model"
     creditrl.export(run, out)
@@ -332,7 +332,7 @@ def test_eval_of_a_run_a_checkpoint_and_an_export_reproduces_the_last_validation
 
 def test_eval_compare_base_and_run_gives_the_runs_before_and_after(run: Path, capsys) -> None:
     metrics = read_metrics(run)
-    assert main(["eval", "--compare", str(tiny_model_dir()), str(run)]) == 0
+    assert main(["eval", "--compare", str(tiny_model_dir()), str(run), "--trust-run-code"]) == 0
     line = eval_lines(capsys)["val/score"]
     before, after = metrics[0]["val/score"], metrics[2]["val/score"]
     assert line == f"{before:.4f} -> {after:.4f} ({after - before:+.4f})"

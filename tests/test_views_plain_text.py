@@ -5,6 +5,7 @@ trainer's run summary, the CLI's errors and check-tokenization; none of them fai
 
 import io
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from helpers import tiny_trainer_config
 from rich.console import Console
 
-from creditrl.cli import main
+from creditrl.cli import log_plainly, main
 from creditrl.commands.check_tokenization import _describe
 from creditrl.config.loader import save_resolved_config
 from creditrl.models.tiny import tiny_model_dir
@@ -214,3 +215,18 @@ def test_check_tokenization_shows_the_text(
     found = {"index": 3, "retokenize_tokens": [text, "a"], "sampled_tokens": ["b"]}
     console.print(_describe(found))
     assert_shown(console.file.getvalue(), f"mismatch at id 3: {[text, 'a']} vs ['b']")
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_cli_log_warnings_are_plain(
+    text: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """With logging not configured (pytest configures it, so its handlers are set aside here),
+    the CLI prints the warnings a run logs (a reward failure quoting a response) as plain
+    text, as Python would print them otherwise."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    log_plainly()
+    logging.getLogger("creditrl.rewards.manager").warning("first: sample %d: %s", 0, text)
+    err = capsys.readouterr().err
+    assert_shown(err, f"first: sample 0: {text}")
+    assert err.endswith("\n") and err.count("\n") == 1

@@ -30,7 +30,7 @@ from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources
-from creditrl.plain_text import as_markup
+from creditrl.plain_text import as_markup, as_text
 from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
 
 __all__ = [
@@ -260,8 +260,10 @@ def launch(
     log_dir = Path(cfg.trainer.output_dir) / "async" / "logs"
     with RunLock.acquire(Path(cfg.trainer.output_dir)) as lock:  # learner rank 0 shares it
         console.print(
-            f"async: {len(learner_cmds)} learner rank(s) + {len(sampler_cmds)} sampler(s), "
-            f"output in {cfg.trainer.output_dir}, process logs in {log_dir}"
+            as_text(
+                f"async: {len(learner_cmds)} learner rank(s) + {len(sampler_cmds)} sampler(s), "
+                f"output in {cfg.trainer.output_dir}, process logs in {log_dir}"
+            )
         )
         learners = [
             start_child("learner", r, cmd, log_dir, lock_fd=lock.fd if r == 0 else None)

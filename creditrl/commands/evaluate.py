@@ -34,7 +34,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> list[dict[str, floa
     from creditrl.cli import print_warning
     from creditrl.exporting.evaluate import evaluated_model, plan_eval, validation_metrics
 
-    plan = plan_eval(args.args, args.compare)
+    plan = plan_eval(args.args, args.compare, trust_run_code=args.trust_run_code)
     for line in plan.warnings:
         print_warning(console, line)
     console.print(as_text(f"config: {plan.config_file or 'the defaults'}"), soft_wrap=True)
@@ -44,7 +44,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> list[dict[str, floa
         console.print(as_text(f"{name}evaluating {_describe(spec, target)}"), soft_wrap=True)
         for line in getattr(target, "skipped", ()):
             print_warning(console, f"checkpoint {line} is damaged; evaluating an older one")
-        with evaluated_model(target) as model_dir:
+        with evaluated_model(target, plan.trust_run_code) as model_dir:
             results.append(validation_metrics(plan.config_for(model_dir)))
     return results
 
@@ -73,6 +73,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def register(sub: Any) -> None:
     """Add ``eval`` to the CLI."""
+    from creditrl.config.run_config import TRUST_FLAG, TRUST_HELP
+
     cmd = sub.add_parser(
         "eval",
         help="validation metrics of a model, run or checkpoint; --compare A B for two",
@@ -86,4 +88,5 @@ def register(sub: Any) -> None:
         metavar=("A", "B"),
         help="two models, runs or checkpoints: both metrics and B - A per metric",
     )
+    cmd.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     cmd.set_defaults(handler=run)

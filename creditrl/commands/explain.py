@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from creditrl.config.loader import ConfigError, load_config
+from creditrl.config.run_config import TRUST_FLAG, TRUST_HELP
 from creditrl.inspect.columns import COLUMNS, NUMERIC
 from creditrl.inspect.view import TokenView
 from creditrl.plain_text import as_text, plain
@@ -74,7 +75,9 @@ def _views(args: argparse.Namespace) -> list[TokenView]:
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     from creditrl.inspect.from_run import views_from_run
 
-    return views_from_run(run_dir, args.step, args.row, items, args.theta)
+    return views_from_run(
+        run_dir, args.step, args.row, items, args.theta, trust_run_code=args.trust_run_code
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -134,6 +137,7 @@ def _add_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--columns", help=f"comma-separated columns to print, from {list(COLUMNS)}")
     cmd.add_argument("--tsv", action="store_true", help="tab-separated values, no table")
     cmd.add_argument("--no-legend", action="store_true", help="omit the legend")
+    cmd.add_argument(TRUST_FLAG, action="store_true", help=f"with RUN_DIR: {TRUST_HELP}")
 
 
 _POSITIONAL_HELP = "RUN_DIR [key=value ...]; with --prompt: [CONFIG.yaml] [key=value ...]"

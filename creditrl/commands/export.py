@@ -32,6 +32,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             adapter=args.adapter,
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
+            trust_run_code=args.trust_run_code,
         )
     except UserError as err:
         print_error(console, err)
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def register(sub: Any) -> None:
     """Add ``export`` to the CLI."""
+    from creditrl.config.run_config import TRUST_FLAG, TRUST_HELP
     from creditrl.exporting.options import DEFAULT_MAX_SHARD_SIZE, DTYPES
 
     cmd = sub.add_parser(
@@ -71,6 +73,7 @@ def register(sub: Any) -> None:
         "--adapter", action="store_true", help="a LoRA run's adapter alone (a peft directory)"
     )
     cmd.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    cmd.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     cmd.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,

@@ -263,9 +263,12 @@ def load_config_with_sources(
     overrides: list[str] | None = None,
     preset: str | None = None,
     mode: str = "sync",
+    *,
+    import_code: bool = True,
 ) -> LoadedConfig:
     """Defaults <- mode defaults <- preset <- YAML file <- overrides, checked; with the keys
-    the user set and warnings for those the chosen mode will not use.
+    the user set and warnings for those the chosen mode will not use. ``import_code=False``
+    checks without importing ``trainer.extensions`` (``creditrl.config.run_config``).
 
     A YAML file may name its own preset with a top-level ``preset: name`` key; the ``preset``
     argument (or an override ``preset=name``) wins over it. ``mode="async"`` starts from
@@ -309,7 +312,7 @@ def load_config_with_sources(
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot resolve the config: {str(err).splitlines()[0]}") from None
-    validate_config(config)
+    validate_config(config, import_code=import_code)
     return LoadedConfig(config, frozenset(explicit), unused_settings(config, explicit))
 
 

@@ -272,11 +272,12 @@ def import_extensions(cfg: Config) -> None:
         load_user_module(target, "trainer.extensions")
 
 
-def validate_config(cfg: Config) -> None:
+def validate_config(cfg: Config, *, import_code: bool = True) -> None:
     """Raise a one-line ConfigError for the first setting ``cfg`` cannot train with, after
-    importing ``trainer.extensions``; fills in the options extensions declare
-    (``creditrl.config.options``)."""
-    import_extensions(cfg)
+    importing ``trainer.extensions`` (unless ``import_code`` is false: a run's config read as
+    data); fills in the options extensions declare (``creditrl.config.options``)."""
+    if import_code:
+        import_extensions(cfg)
     _check_choices(cfg)
     resolve_options(cfg)
     _check_numbers(cfg)

@@ -6,6 +6,10 @@ A run or checkpoint is evaluated through its export (merged weights in the run's
 the same numbers. The config is the one given, else the config.yaml of the first run among the
 models, else the defaults; ``key=value`` overrides apply on top. Every model of one call is
 evaluated under that same config (same prompts, same seeds), each in a fresh worker.
+
+A run's config is read as data (``creditrl.config.run_config``): one that names code (its
+``trainer.extensions``, a scorer or estimator file, an agent program or tool file) is refused
+unless ``trust_run_code`` (``--trust-run-code``) says to run it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 
 from creditrl.config import Config
 from creditrl.config.loader import load_config, load_config_with_sources
-from creditrl.errors import ConfigError, UserError
+from creditrl.config.run_config import TRUST_FLAG, load_run_config, run_code
+from creditrl.errors import ConfigError, UserCodeError, UserError
 from creditrl.exporting.exporter import export
 from creditrl.exporting.sources import (
     RunCheckpoint,
@@ -58,24 +63,42 @@ def resolve(spec: str) -> RunCheckpoint | str:
 @dataclass(frozen=True)
 class EvalPlan:
     """The models to evaluate (as given and resolved), the shared config file (None: the
-    defaults), the overrides, and warnings about overrides the config will not use."""
+    defaults), the overrides, warnings about overrides the config will not use, whether the
+    config file is a run's (read as data), and whether the user trusts the runs' code."""
 
     specs: tuple[str, ...]
     targets: tuple[RunCheckpoint | str, ...]
     config_file: Path | None
     overrides: tuple[str, ...]
     warnings: tuple[str, ...]
+    from_run: bool = False
+    trust_run_code: bool = False
 
     def config_for(self, model_dir: str) -> Config:
         """The shared config with ``model.path=model_dir`` (a full model: no LoRA)."""
-        return load_config(
-            self.config_file, [*self.overrides, f"model.path={model_dir}", "model.lora_rank=0"]
+        overrides = [*self.overrides, f"model.path={model_dir}", "model.lora_rank=0"]
+        if self.from_run:
+            return load_run_config(self.config_file, overrides, trust_code=self.trust_run_code)
+        return load_config(self.config_file, overrides)
+
+
+def _run_config_file(path: Path, overrides: Sequence[str], trust_run_code: bool) -> None:
+    """UserCodeError if the run's config at ``path`` names code and the user does not trust
+    it (its ``trainer.extensions`` are not imported while it is read)."""
+    code = run_code(load_run_config(path, overrides, trust_code=trust_run_code))
+    if code and not trust_run_code:
+        raise UserCodeError(
+            f"{path} names code ({'; '.join(code)}), which creditrl eval would run: pass "
+            f"{TRUST_FLAG} if you trust the run, or give a config file of your own"
         )
 
 
-def plan_eval(items: Sequence[str], compare: Sequence[str] | None = None) -> EvalPlan:
+def plan_eval(
+    items: Sequence[str], compare: Sequence[str] | None = None, *, trust_run_code: bool = False
+) -> EvalPlan:
     """Read ``[CONFIG.yaml | MODEL] [key=value ...]`` (a directory is the model, a file the
-    config; ``model.path=`` names the model too) or, with ``compare``, two models."""
+    config; ``model.path=`` names the model too) or, with ``compare``, two models.
+    ``trust_run_code``: a run's config may name code to import and run."""
     config_file: Path | None = None
     overrides: list[str] = []
     specs: list[str] = list(compare or [])
@@ -99,17 +122,28 @@ def plan_eval(items: Sequence[str], compare: Sequence[str] | None = None) -> Eva
         specs = [load_config(config_file, overrides).model.path]
     targets = tuple(resolve(spec) for spec in specs)
     warnings: list[str] = []
+    runs = [t.config_file for t in targets if isinstance(t, RunCheckpoint)]
+    from_run = config_file is None and bool(runs)
     if config_file is not None:  # the user's file: say which of its settings go unused
         warnings = load_config_with_sources(config_file, overrides).warnings
-    else:  # a run's config.yaml (every key set, so no warnings), else the defaults
-        runs = [t.config_file for t in targets if isinstance(t, RunCheckpoint)]
-        config_file = runs[0] if runs else None
-        warnings = [] if runs else load_config_with_sources(None, overrides).warnings
-    return EvalPlan(tuple(specs), targets, config_file, tuple(overrides), tuple(warnings))
+    elif from_run:  # a run's config.yaml (every key set, so no warnings), read as data
+        config_file = runs[0]
+        _run_config_file(config_file, overrides, trust_run_code)
+    else:
+        warnings = load_config_with_sources(None, overrides).warnings
+    return EvalPlan(
+        tuple(specs),
+        targets,
+        config_file,
+        tuple(overrides),
+        tuple(warnings),
+        from_run,
+        trust_run_code,
+    )
 
 
 @contextmanager
-def evaluated_model(target: RunCheckpoint | str) -> Iterator[str]:
+def evaluated_model(target: RunCheckpoint | str, trust_run_code: bool = False) -> Iterator[str]:
     """The model directory (or ``"embedded"``) that validation loads for ``target``: a
     checkpoint is exported into a temporary directory, removed afterwards."""
     if not isinstance(target, RunCheckpoint):
@@ -117,7 +151,7 @@ def evaluated_model(target: RunCheckpoint | str) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix="creditrl-eval-") as tmp:
         out = Path(tmp) / f"{target.run_dir.name}-step{target.step}"
-        export(target.directory, out)
+        export(target.directory, out, trust_run_code=trust_run_code)
         yield str(out)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 
-from creditrl.config.loader import load_config
+from creditrl.config.run_config import load_run_config
 from creditrl.errors import UserError
 from creditrl.exporting.card import model_card
 from creditrl.exporting.options import DEFAULT_MAX_SHARD_SIZE, DTYPES
@@ -69,6 +69,7 @@ def export(
     adapter: bool = False,
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    trust_run_code: bool = False,
 ) -> ExportResult:
     """Write a run's checkpoint as a Hugging Face directory that ``AutoModelForCausalLM`` and
     ``AutoTokenizer.from_pretrained`` load without creditrl.
@@ -79,6 +80,8 @@ def export(
     - ``adapter``: a LoRA run's adapters alone, as a peft directory (default: merged weights).
     - ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise).
     - ``max_shard_size``: safetensors files are split past this size (``"5GB"``, bytes).
+    - ``trust_run_code``: import the ``trainer.extensions`` the run's config names (default:
+      the config is read as data, ``creditrl.config.run_config``).
 
     Everything is written into a temporary directory beside ``out_dir`` and renamed into place,
     so a failure leaves nothing behind. Bad input raises a one-line ``UserError``.
@@ -87,7 +90,7 @@ def export(
     out = Path(out_dir).expanduser()
     ckpt = find_checkpoint(run_dir, step)
     _check_out(out, ckpt)
-    cfg = load_config(ckpt.config_file)
+    cfg = load_run_config(ckpt.config_file, trust_code=trust_run_code)
     if adapter and cfg.model.lora_rank <= 0:
         raise UserError(
             f"--adapter needs a LoRA run; {ckpt.config_file} has model.lora_rank=0, so the "

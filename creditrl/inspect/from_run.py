@@ -5,8 +5,10 @@ The dump holds, for its first rows, the per-token tensors the step was trained o
 derived by ``creditrl.inspect.compute.derive`` with the run's settings: the config from
 ``RUN/config.yaml`` or ``RUN/config.json`` when the run wrote one, else the defaults plus the
 given overrides (say ``preset=ppo`` for a PPO run), and β from the step's logged
-``actor/reward_kl_penalty_coeff``. With ``theta`` (a checkpoint), log π_θ, the ratio and the
-clip flag are computed on the dumped token ids.
+``actor/reward_kl_penalty_coeff``. The run's config is read as data: its
+``trainer.extensions`` are imported only with ``trust_run_code`` (``--trust-run-code``).
+With ``theta`` (a checkpoint), log π_θ, the ratio and the clip flag are computed on the dumped
+token ids.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
 from creditrl.config import Config
 from creditrl.config.loader import load_config
+from creditrl.config.run_config import load_run_config
 from creditrl.inspect.compute import Settings, derive, rewards_from_scores, to_views
 from creditrl.inspect.view import TokenView, token_text
 from creditrl.tracking.rollout_dump import load_rollout_dump
@@ -58,12 +61,15 @@ def dumped_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def run_config(run_dir: Path, overrides: Sequence[str] = ()) -> tuple[Config, str | None]:
+def run_config(
+    run_dir: Path, overrides: Sequence[str] = (), trust_run_code: bool = False
+) -> tuple[Config, str | None]:
     """The run's config (``config.yaml`` or ``config.json`` in ``run_dir``; JSON is YAML) with
-    ``overrides`` on top; else defaults + overrides, and a note saying so."""
+    ``overrides`` on top, read as data; else defaults + overrides, and a note saying so."""
     for name in ("config.yaml", "config.json"):
-        if (Path(run_dir) / name).is_file():
-            return load_config(Path(run_dir) / name, list(overrides)), None
+        path = Path(run_dir) / name
+        if path.is_file():
+            return load_run_config(path, overrides, trust_code=trust_run_code), None
     note = (
         f"{run_dir} holds no config.yaml/config.json: gamma, lam and the estimators are the "
         "defaults plus the overrides given" + (f" ({' '.join(overrides)})" if overrides else "")
@@ -103,9 +109,11 @@ def views_from_run(
     rows: Sequence[int] | None = None,
     overrides: Sequence[str] = (),
     theta: str | Path | None = None,
+    *,
+    trust_run_code: bool = False,
 ) -> list[TokenView]:
     """Views of the dumped rows of ``step`` (default: the last dumped step); ``rows`` picks rows
-    by their index in the batch."""
+    by their index in the batch; ``trust_run_code`` imports the run's ``trainer.extensions``."""
     run_dir = Path(run_dir)
     steps = dumped_steps(run_dir)
     if not steps:
@@ -128,7 +136,7 @@ def views_from_run(
         raise ValueError(
             f"step {step}: no row has per-token tensors (trainer.rollout_dump_rows=0?)"
         )
-    cfg, config_note = run_config(run_dir, overrides)
+    cfg, config_note = run_config(run_dir, overrides, trust_run_code)
     beta = step_metrics(run_dir, step).get("actor/reward_kl_penalty_coeff")
     settings = Settings.from_config(cfg, beta=beta)
     lengths = [len(r["per_token"]["ids"]) for r in detailed]
