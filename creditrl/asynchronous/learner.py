@@ -530,8 +530,10 @@ class Learner:
                 self.version = published + 1
                 self.publisher.publish(self.actor.model, self.version)
             self.console.print(
-                f"learner: listening on {self.socket.address}; step {self.step} of "
-                f"{cfg.trainer.total_steps}, weights v{self.version}"
+                as_text(
+                    f"learner: listening on {self.socket.address}; step {self.step} of "
+                    f"{cfg.trainer.total_steps}, weights v{self.version}"
+                )
             )
         staleness: list[float] = []
         try:

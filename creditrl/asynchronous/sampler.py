@@ -310,8 +310,10 @@ class Sampler:
         a = self.cfg.asynchronous
         self.socket = SamplerSocket(a, self.sampler_id, port=self.port)
         self.console.print(
-            f"sampler {self.sampler_id}: -> {self.socket.address}, weights v{self.version}, "
-            f"{len(self.outbox.pending())} unacknowledged group(s) to resend"
+            as_text(
+                f"sampler {self.sampler_id}: -> {self.socket.address}, weights v{self.version}, "
+                f"{len(self.outbox.pending())} unacknowledged group(s) to resend"
+            )
         )
         try:
             self._hello()
@@ -325,10 +327,13 @@ class Sampler:
                     silent = time.monotonic() - self.last_heard
                     if silent > a.data_timeout_s:
                         self.console.print(
-                            f"[red]sampler {self.sampler_id}:[/red] no word from the learner at "
-                            f"{self.socket.address} for {silent:.0f}s with "
-                            f"{len(self.outbox.pending())} group(s) unacknowledged; exiting "
-                            "(they stay in the outbox; asynchronous.data_timeout_s)"
+                            f"[red]sampler {self.sampler_id}:[/red]",
+                            as_text(
+                                f"no word from the learner at {self.socket.address} for "
+                                f"{silent:.0f}s with {len(self.outbox.pending())} group(s) "
+                                "unacknowledged; exiting (they stay in the outbox; "
+                                "asynchronous.data_timeout_s)"
+                            ),
                         )
                         return 1
                     if (
