@@ -47,7 +47,7 @@ from creditrl.controller.placement import (
     remove_placement,
 )
 from creditrl.errors import ConfigError, UserError
-from creditrl.plain_text import as_markup, as_text
+from creditrl.plain_text import as_markup, as_text, plain
 
 __all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]
 
@@ -83,11 +83,11 @@ class AsyncActor:
             code = self._learn(cfg) if self.role == "learner" else self._sample(cfg)
             return json.dumps({"code": int(code), "error": None, "lines": []})
         except UserError as err:
-            print(f"{self!r}: {err}", file=sys.stderr)
+            print(plain(f"{self!r}: {err}"), file=sys.stderr)
             return json.dumps({"code": 2, "error": str(err), "lines": []})
         except Exception as err:
             text = traceback.format_exc()
-            print(text, file=sys.stderr, end="")
+            print(plain(text), file=sys.stderr, end="")
             lines = [line for line in text.splitlines() if line.strip()][-TAIL_LINES:]
             return json.dumps({"code": 1, "error": f"{type(err).__name__}: {err}", "lines": lines})
 
