@@ -14,7 +14,7 @@ import torch
 from helpers import tiny_trainer_config
 from rich.console import Console
 
-from creditrl.cli import log_plainly, main
+from creditrl.cli import log_plainly, main, print_error
 from creditrl.commands.check_tokenization import _describe
 from creditrl.config.loader import save_resolved_config
 from creditrl.models.tiny import tiny_model_dir
@@ -230,3 +230,13 @@ def test_cli_log_warnings_are_plain(
     err = capsys.readouterr().err
     assert_shown(err, f"first: sample 0: {text}")
     assert err.endswith("\n") and err.count("\n") == 1
+
+
+def test_user_text_is_neither_highlighted_nor_given_emoji() -> None:
+    """On a colour terminal whose console highlights and replaces emoji codes (rich's
+    defaults), an error's text comes out exactly as it was."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system="truecolor", width=200)
+    text = "value 1.5 in /tmp/x.yaml :warning: True None 'q' http://a.b/c"
+    print_error(console, ValueError(text))
+    assert text in out.getvalue()

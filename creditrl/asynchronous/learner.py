@@ -134,7 +134,7 @@ class Learner:
         check_async_config(cfg)
         self.cfg, self.rank, self.world, self.port = cfg, rank, world, port
         self.main = rank == 0
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, highlight=False, emoji=False)
         a = cfg.asynchronous
         threads = a.learner_threads or cfg.trainer.num_threads
         if threads > 0:

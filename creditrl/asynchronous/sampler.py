@@ -99,7 +99,7 @@ class Sampler:
         a = cfg.asynchronous
         self.cfg, self.index, self.port = cfg, index, port
         self.sampler_id = sampler_id_of(index)
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, highlight=False, emoji=False)
         threads = a.sampler_threads or cfg.trainer.num_threads
         if threads > 0:
             torch.set_num_threads(threads)
