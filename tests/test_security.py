@@ -730,6 +730,62 @@ def test_sandbox_refuses_system_call_family(family: str) -> None:
     assert found == {name: str(-errno.EPERM) for name in names}
 
 
+# Per-uid kernel limits the sandbox's processes share with every process of the host uid that
+# owns its user namespace: 200 inotify instances (the default max_user_instances is 128), a
+# watch, a fanotify group, a POSIX message queue, and queued realtime signals.
+ESCAPE_HOST_LIMITS = """
+import resource, signal
+fds = [call("inotify_init1", 0) for _ in range(200)]
+print(f"inotify_init1: {len([f for f in fds if f >= 0])} {sorted({f for f in fds if f < 0})}")
+print(f"inotify_init: {call('inotify_init')}")
+print(f"inotify_add_watch: {call('inotify_add_watch', 0, b'/work', 0xFFF)}")
+print(f"fanotify_init: {call('fanotify_init', 0, 0)}")
+print(f"mq_open: {call('mq_open', b'creditrl-q', os.O_CREAT | os.O_RDWR, 0o600, None)}")
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+queued = sum(libc.sigqueue(os.getpid(), signal.SIGRTMIN, 0) == 0 for _ in range(1000))
+print(f"queued signals: {queued}")
+print(f"msgqueue: {resource.getrlimit(resource.RLIMIT_MSGQUEUE)}")
+print(f"memlock: {resource.getrlimit(resource.RLIMIT_MEMLOCK)}")
+"""
+
+
+def host_inotify_instance() -> int:
+    """An inotify instance made (and closed) here, as the caller: its fd, or -errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0:
+        return -ctypes.get_errno()
+    os.close(fd)
+    return fd
+
+
+@needs_bwrap
+def test_sandbox_cannot_use_up_per_uid_limits_of_the_host() -> None:
+    """Pins: inotify and fanotify are refused (EPERM: the kernel counts their instances and
+    watches per host uid, so 128 of them in the sandbox left every other process of that uid
+    with EMFILE); POSIX message queues are refused and RLIMIT_MSGQUEUE is 0 (their bytes count
+    per uid too); queued signals stop at RLIMIT_SIGPENDING (64), and RLIMIT_MEMLOCK is 0. After
+    the call the caller still makes an inotify instance."""
+    names = ("inotify_init1", "inotify_init", "inotify_add_watch", "fanotify_init", "mq_open")
+    code = escape_code(
+        _SYSCALL_HELPER + ESCAPE_HOST_LIMITS, nr={n: syscall_number(n) for n in names}
+    )
+    (result,) = registry_run(code)
+    assert result.status == "ok", result.output
+    eperm = str(-errno.EPERM)
+    assert escape_results(result.output) == {
+        "inotify_init1": f"0 [{-errno.EPERM}]",
+        "inotify_init": eperm,
+        "inotify_add_watch": eperm,
+        "fanotify_init": eperm,
+        "mq_open": eperm,
+        "queued signals": "64",
+        "msgqueue": "(0, 0)",
+        "memlock": "(0, 0)",
+    }
+    assert host_inotify_instance() >= 0
+
+
 @needs_bwrap
 def test_sandbox_normal_code_runs_under_the_filter() -> None:
     """Pins: ordinary code works under the filter: json and math, a child interpreter (also

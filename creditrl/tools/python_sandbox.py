@@ -14,6 +14,10 @@ bubblewrap sandbox (``creditrl.tools.bwrap``) where, as tests/test_security.py s
 - limits per process: ``RLIMIT_CPU`` of ``timeout_s``, ``RLIMIT_AS`` = ``memory_mb``,
   ``RLIMIT_FSIZE`` = ``max_file_bytes``; at most ``max_processes`` processes and threads in all
   (the interpreter included);
+- the per-uid kernel counts it shares with the host uid that owns its user namespace cannot be
+  used up: inotify and fanotify (instances, watches) and POSIX message queues are refused by
+  the filter, ``RLIMIT_MSGQUEUE`` and ``RLIMIT_MEMLOCK`` are 0, at most ``SIGPENDING_MAX``
+  signals are queued, and processes are capped as above; namespaces and keys are refused;
 - every process of the call is gone when the call returns: the interpreter is the init of the
   sandbox's PID namespace, so when it ends (or the wall-clock timeout kills it) the kernel
   kills the rest of the namespace before bwrap reports the exit;
@@ -62,6 +66,7 @@ __all__ = ["ISOLATIONS", "PythonSandbox", "python_tool"]
 ERR_CAP = 1 << 16
 ISOLATIONS = ("bwrap", "none")
 KILL_GRACE_S = 1.0
+SIGPENDING_MAX = 64  # queued signals in the sandbox (the host uid's budget is shared)
 
 # isolation "bwrap": a fresh anonymous session keyring (so the caller's session keyring and
 # its keys are not possessed; ENOSYS: a kernel without keyrings), the limits, then the user's
@@ -150,6 +155,10 @@ def _limits_bootstrap(sandbox: PythonSandbox) -> str:
         (resource.RLIMIT_NPROC, (sandbox.max_processes,) * 2),
         (resource.RLIMIT_NOFILE, (256, 256)),
         (resource.RLIMIT_CORE, (0, 0)),
+        # counted per host uid as well: queued signals, message-queue bytes, locked shm
+        (resource.RLIMIT_SIGPENDING, (SIGPENDING_MAX,) * 2),
+        (resource.RLIMIT_MSGQUEUE, (0, 0)),
+        (resource.RLIMIT_MEMLOCK, (0, 0)),
     ]
     if sandbox.memory_mb > 0:
         limits.append((resource.RLIMIT_AS, (sandbox.memory_mb * 1024 * 1024,) * 2))

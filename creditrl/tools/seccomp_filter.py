@@ -15,7 +15,11 @@ the architecture and the x32 ABI, and compiles argument checks correctly.
   anonymous session keyring (the bootstrap's first act).
 - ``REFUSED``: families that fail with EPERM: keyrings, tracing other processes, bpf, perf,
   userfaultfd, io_uring, kexec, mounts, namespaces, kernel modules, swap, reboot, accounting,
-  quotas, the kernel log, personality, clocks, and other privileged or obsolete calls.
+  quotas, the kernel log, personality, clocks, file watches (inotify, fanotify) and POSIX
+  message queues, and other privileged or obsolete calls. The kernel counts file watches and
+  message-queue bytes per uid across user namespaces, so a sandbox could use up those of the
+  host uid that owns it (every other process of that uid then fails); the other such per-uid
+  counts are bounded by the sandbox's resource limits (``creditrl.tools.python_sandbox``).
 - Anything else fails with ENOSYS, as for a system call this kernel lacks: glibc then falls
   back to an older call (``clone3`` to ``clone``, ``fchmodat2`` to ``fchmodat``) instead of
   failing, as runc does for calls newer than its profile.
@@ -65,8 +69,7 @@ ALLOWED = (
     # waiting and events
     *("poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl"),
     *("epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "signalfd"),
-    *("signalfd4", "timerfd_create", "timerfd_settime", "timerfd_gettime", "inotify_init"),
-    *("inotify_init1", "inotify_add_watch", "inotify_rm_watch", "memfd_create"),
+    *("signalfd4", "timerfd_create", "timerfd_settime", "timerfd_gettime", "memfd_create"),
     # sockets (socket itself is checked by family)
     *("socketpair", "bind", "listen", "accept", "accept4", "connect", "getsockname"),
     *("getpeername", "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg"),
@@ -95,10 +98,9 @@ ALLOWED = (
     *("time", "times", "alarm", "getitimer", "setitimer", "timer_create", "timer_settime"),
     *("timer_gettime", "timer_getoverrun", "timer_delete", "sysinfo", "uname", "getrandom"),
     "getcpu",
-    # System V and POSIX IPC (the sandbox has its own IPC namespace)
+    # System V IPC (the sandbox has its own IPC namespace, and these limits are per namespace)
     *("msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl"),
-    *("shmget", "shmat", "shmdt", "shmctl", "mq_open", "mq_unlink", "mq_timedsend"),
-    *("mq_timedreceive", "mq_notify", "mq_getsetattr"),
+    *("shmget", "shmat", "shmdt", "shmctl"),
 )
 
 REFUSED = {
@@ -122,11 +124,22 @@ REFUSED = {
     "kernel log": ("syslog",),
     "personality": ("personality",),
     "clocks": ("settimeofday", "clock_settime", "clock_adjtime", "adjtimex"),
+    # counted per host uid (the sandbox's processes are that uid to the kernel): a sandbox
+    # holding max_user_instances of them left every other process of the uid with EMFILE
+    "file watches": (
+        *("inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch"),
+        *("fanotify_init", "fanotify_mark"),
+    ),
+    # their bytes count against the host uid's RLIMIT_MSGQUEUE (also set to 0 inside)
+    "message queues": (
+        *("mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify"),
+        "mq_getsetattr",
+    ),
     "other": (
         *("lookup_dcookie", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm"),
         *("modify_ldt", "sethostname", "setdomainname", "vhangup", "mbind", "set_mempolicy"),
-        *("get_mempolicy", "migrate_pages", "move_pages", "fanotify_init", "fanotify_mark"),
-        *("uselib", "ustat", "sysfs", "_sysctl", "nfsservctl", "create_module"),
+        *("get_mempolicy", "migrate_pages", "move_pages", "uselib", "ustat", "sysfs"),
+        *("_sysctl", "nfsservctl", "create_module"),
     ),
 }
 
