@@ -157,7 +157,7 @@ class RewardConfig:
     scorer_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of every scorer call (JSON values)."""
     num_workers: int = field(default=2, metadata=meta(range=AT_LEAST_0))
-    """Scoring worker processes; 0: score in this process (at most 4 hung threads, then fail)."""
+    """Scoring worker processes; 0: one for built-in scorers, user scorers in this process."""
     timeout_s: float = field(default=10.0, metadata=meta(range=POSITIVE))
     """Seconds a sample may take to score, then fallback_score (num_workers=0 included)."""
     fallback_score: float = 0.0

@@ -6,7 +6,9 @@ sample gets status "timeout" (as a killed worker's does) and its thread runs on 
 scorer returns; that result is dropped. At most ``MAX_ABANDONED`` abandoned threads may be
 running: while that many are, each further sample fails at once with status "error" saying so,
 and ``reward.max_failure_rate`` stops the run rather than leak more. A scorer that may hang
-belongs in worker processes (``reward.num_workers`` > 0), where a timeout kills it.
+belongs in worker processes (``reward.num_workers`` > 0), where a timeout kills it; the built-in
+scorers always run in one (``creditrl.rewards.pool``), since a thread stuck in C code holding
+the GIL would stop this whole process, timeout included.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from creditrl.config.schema import RewardConfig
 from creditrl.core import place_sequence_scores
 from creditrl.rewards.failures import check_failure_rate, check_max_failure_rate
 from creditrl.rewards.pool import ScoringJob, ScoringPool
-from creditrl.rewards.registry import PROGRAM_SCORER, portable_spec, scorer_spec
+from creditrl.rewards.registry import PROGRAM_SCORER, is_builtin, portable_spec, scorer_spec
 from creditrl.rewards.text import decode_responses, prompt_messages
 
 __all__ = ["RM_MODES", "RewardFuture", "RewardManager", "RewardResult"]
@@ -146,8 +146,10 @@ def _column(batch: Batch, name: str, default: Any = None) -> Sequence[Any]:
 class RewardManager:
     """Rule scorers in worker processes, optionally a reward model; see the module docstring.
 
-    ``num_workers=0`` scores in this process; a scorer past the timeout is abandoned on its
-    thread, at most ``inprocess.MAX_ABANDONED`` at a time (``creditrl.rewards.inprocess``). Use
+    ``num_workers=0`` scores user scorers in this process, a scorer past the timeout abandoned
+    on its thread, at most ``inprocess.MAX_ABANDONED`` at a time (``creditrl.rewards.inprocess``),
+    and the built-in scorers in one worker process killed at the timeout
+    (``creditrl.rewards.pool``). Use
     as a context manager or call ``close()``; workers also exit by themselves when this process
     ends.
     """
@@ -220,10 +222,11 @@ class RewardManager:
                 "ground_truth": _jsonable(truths[i], f"sample {i}: ground_truth"),
                 "extra_info": _jsonable(infos[i], f"sample {i}: extra_info"),
             }
-            lines.append((request_id, json.dumps(request) + "\n"))
+            in_process = self.cfg.num_workers == 0 and not is_builtin(spec)
+            lines.append((request_id, json.dumps(request) + "\n", in_process))
         job = ScoringJob(len(lines))
-        for i, (request_id, line) in enumerate(lines):
-            self.pool.put(job, i, request_id, line)
+        for i, (request_id, line, in_process) in enumerate(lines):
+            self.pool.put(job, i, request_id, line, in_process)
         return job
 
     def _start_rm(self, batch: Batch, texts: list[str], pending: _Pending) -> threading.Thread:

@@ -5,8 +5,14 @@ Each feeder thread owns one ``python -m creditrl.rewards.worker`` process and ta
 status "timeout"; its worker is killed and a fresh one started (it warms up in the background).
 A reply line is bounded in length before it is parsed and checked field by field
 (``creditrl.rewards.results``); a bad one fails its sample and replaces the worker.
-``num_workers=0`` scores in this process (``creditrl.rewards.inprocess``): no process boundary,
-and a scorer past the timeout is abandoned on its thread, not killed.
+
+``num_workers=0`` scores a request queued with ``in_process=True`` in this process
+(``creditrl.rewards.inprocess``): no process boundary, so a user's closure or runtime-registered
+function works, but a scorer past the timeout is only abandoned on its thread. Any other request
+(the manager sends the built-in scorers so) goes to one worker process, started on first use
+and kept: a built-in scorer may spend minutes in C code holding the GIL (sympy, via math_verify,
+expanding a power tower such as ``9^{9^{9^9}}``), which no thread timeout can interrupt, while
+a worker is killed at ``timeout_s`` like any pool worker.
 """
 
 from __future__ import annotations
@@ -158,7 +164,8 @@ def _worker_env() -> dict[str, str]:
 
 
 class ScoringPool:
-    """``num_workers`` worker processes (0: in this process) with a per-sample timeout."""
+    """``num_workers`` worker processes with a per-sample timeout; with 0, one worker started
+    on first use for requests not queued ``in_process`` (see the module doc)."""
 
     def __init__(self, num_workers: int, timeout_s: float) -> None:
         if num_workers < 0:
@@ -167,10 +174,10 @@ class ScoringPool:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._tasks: queue.Queue[tuple[ScoringJob, int, int, str] | None] = queue.Queue()
+        self._tasks: queue.Queue[tuple[ScoringJob, int, int, str, bool] | None] = queue.Queue()
         self._closed = False
         self._env = _worker_env()
-        self._workers: list[_WorkerProcess | None] = [None] * num_workers
+        self._workers: list[_WorkerProcess | None] = [None] * max(num_workers, 1)
         self._lock = threading.Lock()
         self.in_process = InProcessScorer(timeout_s) if num_workers == 0 else None
         for slot in range(num_workers):
@@ -182,24 +189,28 @@ class ScoringPool:
         for t in self._threads:
             t.start()
 
-    def put(self, job: ScoringJob, index: int, request_id: int, line: str) -> None:
-        """Queue one request line (its reply goes to ``job.replies[index]``)."""
+    def put(
+        self, job: ScoringJob, index: int, request_id: int, line: str, in_process: bool = False
+    ) -> None:
+        """Queue one request line (its reply goes to ``job.replies[index]``); ``in_process``:
+        score it in this process when ``num_workers`` is 0 (ignored otherwise)."""
         if self._closed:
             raise RuntimeError("the reward scoring pool is closed")
-        self._tasks.put((job, index, request_id, line))
+        self._tasks.put((job, index, request_id, line, in_process))
 
     def _feed(self, slot: int) -> None:
-        """Take a task only once this slot's worker is ready, so a warming worker holds none."""
+        """Take a task only once this slot's worker is ready, so a warming worker holds none
+        (with num_workers=0 in-process samples do not wait for the worker to warm up)."""
         while True:
-            startup_error = self._warm(slot)
+            startup_error = self._warm(slot) if self.num_workers else None
             task = self._tasks.get()
             if task is None:
                 if self.in_process is not None:
                     self.in_process.close()
                 return
-            job, index, request_id, line = task
+            job, index, request_id, line, in_process = task
             try:
-                if self.in_process is not None:
+                if self.in_process is not None and in_process:
                     reply = self.in_process.score(line)
                 elif startup_error is not None:
                     reply = failure("error", startup_error)
@@ -211,7 +222,7 @@ class ScoringPool:
 
     def _warm(self, slot: int) -> str | None:
         """Wait for the slot's worker to be ready; the startup failure message, if any."""
-        worker = self._workers[slot] if self.num_workers else None
+        worker = self._workers[slot]
         if worker is None:
             return None
         try:
@@ -222,7 +233,10 @@ class ScoringPool:
         return None
 
     def _call(self, slot: int, request_id: int, line: str) -> dict[str, Any]:
-        worker = self._workers[slot]
+        with self._lock:
+            if self._workers[slot] is None and not self._closed:
+                self._workers[slot] = _WorkerProcess(self._env)  # num_workers=0: on first use
+            worker = self._workers[slot]
         if worker is None:
             return failure("error", "the reward scoring pool is closed")
         try:
@@ -256,7 +270,7 @@ class ScoringPool:
         for _ in self._threads:
             self._tasks.put(None)
         workers = [w for w in self._workers if w is not None]
-        self._workers = [None] * self.num_workers
+        self._workers = [None] * len(self._workers)
         for worker in workers:
             worker.close_stdin()
         deadline = time.monotonic() + CLOSE_WAIT_S

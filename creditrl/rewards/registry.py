@@ -31,6 +31,7 @@ __all__ = [
     "Scorer",
     "check_scorer_signature",
     "get_scorer",
+    "is_builtin",
     "load_scorer_file",
     "portable_spec",
     "register_scorer",
@@ -128,12 +129,17 @@ def get_scorer(data_source: str, override: str | None = None) -> Scorer:
     return SCORERS[spec] if spec in SCORERS else load_scorer_file(spec)
 
 
+def is_builtin(spec: str) -> bool:
+    """Whether ``spec`` names a built-in scorer that no registration has replaced."""
+    return spec in BUILTIN_SCORERS and SCORERS.get(spec) is BUILTIN_SCORERS[spec]
+
+
 def portable_spec(spec: str) -> str:
     """A spec a fresh worker process can load: a built-in name, or an absolute "file.py:fn".
 
     A runtime-registered name becomes its function's source file and qualified name.
     """
-    if spec in BUILTIN_SCORERS and SCORERS[spec] is BUILTIN_SCORERS[spec]:
+    if is_builtin(spec):
         return spec
     if spec not in SCORERS:
         path, _, name = spec.rpartition(":")
