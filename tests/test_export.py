@@ -3,6 +3,7 @@ that plain transformers (and peft) load in a process without creditrl, with the 
 actor's log-probs; ``creditrl eval`` takes runs, checkpoints and exports and reproduces the
 run's validation; bad input is one line and exit 2, with nothing half-written."""
 
+import errno
 import json
 import os
 import shutil
@@ -361,36 +362,94 @@ def test_a_step_that_does_not_exist_is_one_line(run: Path, tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
-def test_a_non_empty_out_dir_needs_overwrite(run: Path, tmp_path: Path, capsys) -> None:
+def test_overwrite_replaces_an_earlier_export_and_nothing_else(
+    run: Path, tmp_path: Path, capsys
+) -> None:
+    """A folder of the user's files is never deleted, with or without --overwrite; an earlier
+    export (its marker lists what it wrote) is replaced, unless files were added to it."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["export", str(run), str(mine)]) == 2
+    assert "is not empty" in one_error_line(capsys)
+    assert main(["export", str(run), str(mine), "--overwrite"]) == 2
+    assert f"OUT_DIR {mine} is not an earlier export" in one_error_line(capsys)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    assert main(["export", str(run), str(out)]) == 2
-    assert "is not empty" in one_error_line(capsys) and (out / "notes.txt").is_file()
-    assert main(["export", str(run), str(run / "checkpoints"), "--overwrite"]) == 2
-    assert "holds the checkpoint being exported" in one_error_line(capsys)
+    assert main(["export", str(run), str(out), "--step", "1"]) == 0
+    marker = json.loads((out / "creditrl_export.json").read_text())
+    assert marker["step"] == 1 and "model.safetensors" in marker["files"]
+    assert sorted(marker["files"] + ["creditrl_export.json"]) == sorted(os.listdir(out))
     assert main(["export", str(run), str(out), "--overwrite"]) == 0
-    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left
+    assert json.loads((out / "creditrl_export.json").read_text())["step"] == 2
+    (out / "eval_notes.md").write_text("mine")
+    (out / "plots").mkdir()
+    assert main(["export", str(run), str(out), "--overwrite"]) == 2
+    assert "holds 'eval_notes.md', 'plots', which creditrl export did not write" in (
+        one_error_line(capsys)
+    )
+    assert (out / "eval_notes.md").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]  # no temporary left
 
 
-def test_a_damaged_checkpoint_is_one_line_or_skipped(run: Path, tmp_path: Path, capsys) -> None:
-    damaged = tmp_path / "run"
-    shutil.copytree(run, damaged)
-    weights = damaged / "checkpoints" / "step_000002" / "actor.model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    assert main(["export", str(damaged), str(tmp_path / "a"), "--step", "2"]) == 2
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        (".", "is the current directory"),
+        ("~", "is your home directory"),
+        ("/", "is the file system's root"),
+        ("RUN", "is the run directory"),
+        ("RUN/..", "is the run directory"),
+        ("RUN/checkpoints", "is inside the run's checkpoints/ folder"),
+        ("RUN/checkpoints/new", "is inside the run's checkpoints/ folder"),
+    ],
+)
+def test_out_dirs_that_hold_the_users_files_are_refused(
+    run: Path, tmp_path: Path, monkeypatch, capsys, where: str, why: str
+) -> None:
+    home, work = tmp_path / "home", tmp_path / "work"
+    for folder in (home, work):
+        folder.mkdir()
+        (folder / "mine.txt").write_text("mine")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    listing = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    out = where.replace("RUN", str(run))
+    assert main(["export", str(run), out, "--overwrite"]) == 2
+    shown = str(home) if out == "~" else out
+    assert f"OUT_DIR {shown} {why}" in one_error_line(capsys)
+    for folder in (home, work):
+        assert [p.name for p in folder.iterdir()] == ["mine.txt"]  # no ..old-* left behind
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == listing
+
+
+def test_a_failed_write_is_one_line_and_leaves_the_earlier_export(
+    run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    (tmp_path / "file.txt").write_text("mine")
+    assert main(["export", str(run), str(tmp_path / "file.txt" / "model")]) == 2
+    assert "is below the file" in one_error_line(capsys)
+    out = tmp_path / "out"
+    creditrl.export(run, out, step=1)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(model, directory, *args) -> None:
+        (directory / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("creditrl.exporting.exporter.write_merged", disk_full)
+    assert main(["export", str(run), str(out), "--overwrite"]) == 2
     line = one_error_line(capsys)
-    assert "step_000002 is damaged (actor.model.safetensors: truncated to 1000 of" in line
-    assert main(["export", str(damaged), str(tmp_path / "b")]) == 0
-    out = capsys.readouterr().out
-    assert "checkpoint step_000002 (actor.model.safetensors: truncated" in out
-    assert "exported the model of step 1" in out
-    assert not (tmp_path / "a").exists()
+    assert f"cannot write OUT_DIR {out}: No space left on device" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    deep = tmp_path / "a" / "b" / "model"
+    assert main(["export", str(run), str(deep)]) == 2
+    assert f"cannot write OUT_DIR {deep}" in one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "out"]
 
 
 def test_other_bad_options_are_one_line_and_leave_nothing(
-    run: Path, tmp_path: Path, capsys, monkeypatch
+    run: Path, tmp_path: Path, capsys
 ) -> None:
     out = tmp_path / "out"
     assert main(["export", str(run), str(out), "--adapter"]) == 2
@@ -399,13 +458,6 @@ def test_other_bad_options_are_one_line_and_leave_nothing(
     assert "is not a positive size" in one_error_line(capsys)
     with pytest.raises(creditrl.errors.UserError, match="dtype 'int8' is not one of"):
         creditrl.export(run, out, dtype="int8")
-
-    def fail(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr("creditrl.exporting.exporter.write_tokenizer", fail)
-    with pytest.raises(OSError, match="disk full"):
-        creditrl.export(run, out)
     assert list(tmp_path.iterdir()) == []  # nothing half-written, no temporary directory
 
 

@@ -72,7 +72,11 @@ def register(sub: Any) -> None:
     cmd.add_argument(
         "--adapter", action="store_true", help="a LoRA run's adapter alone (a peft directory)"
     )
-    cmd.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    cmd.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT_DIR (a directory of other files is refused)",
+    )
     cmd.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     cmd.add_argument(
         "--max-shard-size",

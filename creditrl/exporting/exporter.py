@@ -12,14 +12,9 @@ from creditrl.config.run_config import load_run_config
 from creditrl.errors import UserError
 from creditrl.exporting.card import model_card
 from creditrl.exporting.options import DEFAULT_MAX_SHARD_SIZE, DTYPES
-from creditrl.exporting.sources import RunCheckpoint, find_checkpoint
-from creditrl.exporting.weights import (
-    load_actor,
-    staged_dir,
-    write_adapter,
-    write_merged,
-    write_tokenizer,
-)
+from creditrl.exporting.out_dir import MARKER, check_out_dir, staged_dir, write_marker
+from creditrl.exporting.sources import find_checkpoint
+from creditrl.exporting.weights import export_tokenizer, load_actor, write_adapter, write_merged
 from creditrl.models import resolve_model_path, torch_dtype
 from creditrl.version import __version__
 
@@ -54,12 +49,6 @@ def _check_options(dtype: str | None, max_shard_size: int | str) -> int:
     return size
 
 
-def _check_out(out: Path, ckpt: RunCheckpoint) -> None:
-    here = out.resolve()
-    if here == ckpt.directory.resolve() or ckpt.directory.resolve().is_relative_to(here):
-        raise UserError(f"OUT_DIR {out} holds the checkpoint being exported; choose another")
-
-
 def export(
     run_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -78,7 +67,8 @@ def export(
       ``checkpoints/step_NNNNNN`` directory.
     - ``dtype``: ``float32``, ``bfloat16`` or ``float16``; None: the run's ``model.dtype``.
     - ``adapter``: a LoRA run's adapters alone, as a peft directory (default: merged weights).
-    - ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise).
+    - ``overwrite``: replace an earlier export in ``out_dir`` (any other non-empty directory
+      is refused; ``creditrl.exporting.out_dir``).
     - ``max_shard_size``: safetensors files are split past this size (``"5GB"``, bytes).
     - ``trust_run_code``: import the ``trainer.extensions`` the run's config names (default:
       the config is read as data, ``creditrl.config.run_config``).
@@ -89,7 +79,7 @@ def export(
     shard_bytes = _check_options(dtype, max_shard_size)
     out = Path(out_dir).expanduser()
     ckpt = find_checkpoint(run_dir, step)
-    _check_out(out, ckpt)
+    check_out_dir(out, ckpt.run_dir, overwrite)
     cfg = load_run_config(ckpt.config_file, trust_code=trust_run_code)
     if adapter and cfg.model.lora_rank <= 0:
         raise UserError(
@@ -97,17 +87,20 @@ def export(
             "run trained every weight: export without --adapter"
         )
     dtype = dtype or str(torch_dtype(cfg.model.dtype)).removeprefix("torch.")
-    with staged_dir(out, overwrite) as tmp:
-        model = load_actor(ckpt, cfg)
+    model = load_actor(ckpt, cfg)
+    base_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    tokenizer = export_tokenizer(base_dir)
+    card, skipped = model_card(cfg, ckpt, out.name, base_dir, adapter, dtype, __version__)
+    with staged_dir(out, ckpt.run_dir, overwrite) as tmp:
         if adapter:
             write_adapter(model, tmp, torch_dtype(dtype))
         else:
             write_merged(model, tmp, torch_dtype(dtype), shard_bytes)
-        base_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        write_tokenizer(base_dir, tmp)
-        card, skipped = model_card(cfg, ckpt, out.name, base_dir, adapter, dtype, __version__)
+        tokenizer.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(card, encoding="utf-8")
-        files = tuple(sorted(p.name for p in tmp.iterdir()))
+        written = [p.name for p in tmp.iterdir()]
+        write_marker(tmp, written, ckpt.step, __version__)
+    files = tuple(sorted([*written, MARKER]))
     notes = (f"{ckpt.run_dir / 'metrics.jsonl'}: {skipped} unreadable lines skipped",) * (
         skipped > 0
     )

@@ -8,15 +8,10 @@ checkpoints are gathered there). Writing goes through ``save_pretrained`` only.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from creditrl.config import Config
 from creditrl.errors import DataError, UserError
@@ -24,7 +19,7 @@ from creditrl.exporting.sources import RunCheckpoint
 from creditrl.models import apply_lora, load_causal_lm, resolve_model_path
 from creditrl.workers.checkpoint_io import load_trainable
 
-__all__ = ["load_actor", "staged_dir", "write_adapter", "write_merged", "write_tokenizer"]
+__all__ = ["export_tokenizer", "load_actor", "write_adapter", "write_merged"]
 
 # Config attributes that say where the weights came from rather than what the model is: the
 # embedded model's GGUF name (general.name, kept by transformers' GGUF loader).
@@ -77,48 +72,9 @@ def write_adapter(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None
     model.to(dtype).save_pretrained(str(out))
 
 
-def write_tokenizer(model_dir: Path, out: Path) -> None:
-    """The tokenizer of ``model_dir`` (chat template included) saved into ``out``."""
+def export_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``model_dir`` (chat template included) as an export saves it."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     for key in LOAD_KWARGS:
         tokenizer.init_kwargs.pop(key, None)
-    tokenizer.save_pretrained(str(out))
-
-
-def _refuse(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"OUT_DIR {out} is a file; choose a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(
-            f"OUT_DIR {out} is not empty; choose a new or empty directory, or pass "
-            "--overwrite (overwrite=True) to replace it"
-        )
-
-
-@contextmanager
-def staged_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """A temporary directory beside ``out`` to write into; on success it replaces ``out``
-    (renamed into place), on any error it is removed, so ``out`` is never half-written."""
-    _refuse(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
-        yield tmp
-        for path in tmp.rglob("*"):  # some writers create files private (0600)
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        _refuse(out, overwrite)  # unchanged while we wrote, unless someone else wrote there
-        if not out.exists():
-            os.rename(tmp, out)
-            return
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / "out")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            os.rename(old / "out", out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tokenizer
