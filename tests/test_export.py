@@ -448,6 +448,38 @@ def test_a_failed_write_is_one_line_and_leaves_the_earlier_export(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "out"]
 
 
+def test_the_cards_how_to_load_snippet_runs(run: Path, tmp_path: Path) -> None:
+    """The card's code, run as written against the installed transformers, offline, with the
+    export's path for its name."""
+    out = tmp_path / "model"
+    creditrl.export(run, out)
+    card = (out / "README.md").read_text()
+    code = card.split("## How to load")[1].split("```python\n")[1].split("```")[0]
+    assert code.count('"model"') == 2
+    code = code.replace('"model"', json.dumps(str(out)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, env=env, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_damaged_checkpoint_is_one_line_or_skipped(run: Path, tmp_path: Path, capsys) -> None:
+    damaged = tmp_path / "run"
+    shutil.copytree(run, damaged)
+    weights = damaged / "checkpoints" / "step_000002" / "actor.model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["export", str(damaged), str(tmp_path / "a"), "--step", "2"]) == 2
+    line = one_error_line(capsys)
+    assert "step_000002 is damaged (actor.model.safetensors: truncated to 1000 of" in line
+    assert main(["export", str(damaged), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step_000002 (actor.model.safetensors: truncated" in out
+    assert "exported the model of step 1" in out
+    assert not (tmp_path / "a").exists()
+
+
 def test_other_bad_options_are_one_line_and_leave_nothing(
     run: Path, tmp_path: Path, capsys
 ) -> None:

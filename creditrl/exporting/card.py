@@ -140,27 +140,31 @@ def _validation(before: dict[str, float], after: dict[str, float], at: int) -> l
 
 
 def _usage(out_name: str, adapter: bool, base_dir: Path) -> list[str]:
+    name, base = json.dumps(out_name), json.dumps(str(base_dir))  # Python string literals
     if adapter:
         return [
             "```python",
             "from peft import PeftModel",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             "",
-            f'base = AutoModelForCausalLM.from_pretrained("{base_dir}")  # the run\'s base',
-            f'model = PeftModel.from_pretrained(base, "{out_name}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")',
+            f"base = AutoModelForCausalLM.from_pretrained({base})  # the run's base",
+            f"model = PeftModel.from_pretrained(base, {name})",
+            f"tokenizer = AutoTokenizer.from_pretrained({name})",
             "```",
         ]
     return [
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{out_name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")',
+        f"model = AutoModelForCausalLM.from_pretrained({name})",
+        f"tokenizer = AutoTokenizer.from_pretrained({name})",
         'messages = [{"role": "user", "content": "What is 3 + 4?"}]',
-        "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
-        'return_tensors="pt")',
-        "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0]))",
+        "inputs = tokenizer.apply_chat_template(",
+        '    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"',
+        ")",
+        "output = model.generate(**inputs, max_new_tokens=64)",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], '
+        "skip_special_tokens=True))",
         "```",
         "",
         f"Evaluate it on the run's task: `creditrl eval {out_name} [key=value ...]`.",
