@@ -740,6 +740,7 @@ print(f"inotify_init1: {len([f for f in fds if f >= 0])} {sorted({f for f in fds
 print(f"inotify_init: {call('inotify_init')}")
 print(f"inotify_add_watch: {call('inotify_add_watch', 0, b'/work', 0xFFF)}")
 print(f"fanotify_init: {call('fanotify_init', 0, 0)}")
+print(f"epoll_create1: {call('epoll_create1', 0)}")
 print(f"mq_open: {call('mq_open', b'creditrl-q', os.O_CREAT | os.O_RDWR, 0o600, None)}")
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
 queued = sum(libc.sigqueue(os.getpid(), signal.SIGRTMIN, 0) == 0 for _ in range(1000))
@@ -761,12 +762,13 @@ def host_inotify_instance() -> int:
 
 @needs_bwrap
 def test_sandbox_cannot_use_up_per_uid_limits_of_the_host() -> None:
-    """Pins: inotify and fanotify are refused (EPERM: the kernel counts their instances and
-    watches per host uid, so 128 of them in the sandbox left every other process of that uid
-    with EMFILE); POSIX message queues are refused and RLIMIT_MSGQUEUE is 0 (their bytes count
-    per uid too); queued signals stop at RLIMIT_SIGPENDING (64), and RLIMIT_MEMLOCK is 0. After
-    the call the caller still makes an inotify instance."""
+    """Pins: inotify, fanotify and epoll are refused (EPERM: the kernel counts their instances
+    and watches per host uid, so 128 inotify instances in the sandbox left every other process
+    of that uid with EMFILE); POSIX message queues are refused and RLIMIT_MSGQUEUE is 0 (their
+    bytes count per uid too); queued signals stop at RLIMIT_SIGPENDING (64), and RLIMIT_MEMLOCK
+    is 0. After the call the caller still makes an inotify instance."""
     names = ("inotify_init1", "inotify_init", "inotify_add_watch", "fanotify_init", "mq_open")
+    names += ("epoll_create1",)
     code = escape_code(
         _SYSCALL_HELPER + ESCAPE_HOST_LIMITS, nr={n: syscall_number(n) for n in names}
     )
@@ -778,6 +780,7 @@ def test_sandbox_cannot_use_up_per_uid_limits_of_the_host() -> None:
         "inotify_init": eperm,
         "inotify_add_watch": eperm,
         "fanotify_init": eperm,
+        "epoll_create1": eperm,
         "mq_open": eperm,
         "queued signals": "64",
         "msgqueue": "(0, 0)",

@@ -15,9 +15,10 @@ bubblewrap sandbox (``creditrl.tools.bwrap``) where, as tests/test_security.py s
   ``RLIMIT_FSIZE`` = ``max_file_bytes``; at most ``max_processes`` processes and threads in all
   (the interpreter included);
 - the per-uid kernel counts it shares with the host uid that owns its user namespace cannot be
-  used up: inotify and fanotify (instances, watches) and POSIX message queues are refused by
-  the filter, ``RLIMIT_MSGQUEUE`` and ``RLIMIT_MEMLOCK`` are 0, at most ``SIGPENDING_MAX``
-  signals are queued, and processes are capped as above; namespaces and keys are refused;
+  used up: inotify, fanotify and epoll (instances, watches) and POSIX message queues are
+  refused by the filter (asyncio then polls), ``RLIMIT_MSGQUEUE`` and ``RLIMIT_MEMLOCK`` are
+  0, at most ``SIGPENDING_MAX`` signals are queued, and processes are capped as above;
+  namespaces and keys are refused;
 - every process of the call is gone when the call returns: the interpreter is the init of the
   sandbox's PID namespace, so when it ends (or the wall-clock timeout kills it) the kernel
   kills the rest of the namespace before bwrap reports the exit;

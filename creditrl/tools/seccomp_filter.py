@@ -15,8 +15,8 @@ the architecture and the x32 ABI, and compiles argument checks correctly.
   anonymous session keyring (the bootstrap's first act).
 - ``REFUSED``: families that fail with EPERM: keyrings, tracing other processes, bpf, perf,
   userfaultfd, io_uring, kexec, mounts, namespaces, kernel modules, swap, reboot, accounting,
-  quotas, the kernel log, personality, clocks, file watches (inotify, fanotify) and POSIX
-  message queues, and other privileged or obsolete calls. The kernel counts file watches and
+  quotas, the kernel log, personality, clocks, watches (inotify, fanotify, epoll) and POSIX
+  message queues, and other privileged or obsolete calls. The kernel counts watches and
   message-queue bytes per uid across user namespaces, so a sandbox could use up those of the
   host uid that owns it (every other process of that uid then fails); the other such per-uid
   counts are bounded by the sandbox's resource limits (``creditrl.tools.python_sandbox``).
@@ -67,9 +67,8 @@ ALLOWED = (
     *("getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr"),
     *("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr"),
     # waiting and events
-    *("poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl"),
-    *("epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "signalfd"),
-    *("signalfd4", "timerfd_create", "timerfd_settime", "timerfd_gettime", "memfd_create"),
+    *("poll", "ppoll", "select", "pselect6", "eventfd", "eventfd2", "signalfd", "signalfd4"),
+    *("timerfd_create", "timerfd_settime", "timerfd_gettime", "memfd_create"),
     # sockets (socket itself is checked by family)
     *("socketpair", "bind", "listen", "accept", "accept4", "connect", "getsockname"),
     *("getpeername", "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg"),
@@ -125,10 +124,12 @@ REFUSED = {
     "personality": ("personality",),
     "clocks": ("settimeofday", "clock_settime", "clock_adjtime", "adjtimex"),
     # counted per host uid (the sandbox's processes are that uid to the kernel): a sandbox
-    # holding max_user_instances of them left every other process of the uid with EMFILE
-    "file watches": (
+    # holding max_user_instances of them left every other process of the uid with EMFILE.
+    # Without epoll, Python's selectors (asyncio) fall back to poll.
+    "watches": (
         *("inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch"),
-        *("fanotify_init", "fanotify_mark"),
+        *("fanotify_init", "fanotify_mark", "epoll_create", "epoll_create1", "epoll_ctl"),
+        *("epoll_wait", "epoll_pwait", "epoll_pwait2"),
     ),
     # their bytes count against the host uid's RLIMIT_MSGQUEUE (also set to 0 inside)
     "message queues": (
