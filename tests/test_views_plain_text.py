@@ -7,13 +7,17 @@ import io
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_trainer_config
+from helpers import tiny_learner_config, tiny_trainer_config
 from rich.console import Console
 
+from creditrl.asynchronous.messages import decode, encode
+from creditrl.asynchronous.sampler import Sampler
+from creditrl.asynchronous.tails import print_tail
 from creditrl.cli import log_plainly, main, print_error
 from creditrl.commands.check_tokenization import _describe
 from creditrl.config.loader import save_resolved_config
@@ -240,3 +244,38 @@ def test_user_text_is_neither_highlighted_nor_given_emoji() -> None:
     text = "value 1.5 in /tmp/x.yaml :warning: True None 'q' http://a.b/c"
     print_error(console, ValueError(text))
     assert text in out.getvalue()
+
+
+# ---- async: what the learner sends and a failed child's output --------------------------------
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sampler]:
+    out = tmp_path_factory.mktemp("sampler")
+    cfg = tiny_learner_config(
+        out, "data.train_size=8", "data.val_size=0", "reward.num_workers=0",
+        "trainer.rollout_dump_rows=0",
+    )  # fmt: skip
+    made = Sampler(cfg, 0)
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_a_learners_disconnect_reason_is_shown_as_text(
+    text: str, sampler: Sampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    console = Console(file=io.StringIO(), width=300)
+    monkeypatch.setattr(sampler, "console", console)
+    monkeypatch.setattr(sampler, "stopped", False)
+    sampler._on_message(decode(encode("disconnected", {"reason": f"bad {text}"})))
+    assert sampler.stopped
+    assert_shown(console.file.getvalue(), f"the learner disconnected this sampler: bad {text};")
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_a_failed_childs_last_lines_are_shown_as_text(text: str) -> None:
+    console = Console(file=io.StringIO(), width=300)
+    print_tail(console, f"learner-{text}", [f"line {text}"])
+    assert_shown(console.file.getvalue(), f"last 1 line(s) of learner-{text}:")
+    assert_shown(console.file.getvalue(), f"| line {text}")
