@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from creditrl.config.schema import Config, DataConfig
 from creditrl.data.builders import validation_notice
-from creditrl.data.rows import read_rows
+from creditrl.data.rows import read_rows_from_files
 from creditrl.errors import ConfigError, DataError
 from creditrl.rewards.failures import check_max_failure_rate
 from creditrl.rewards.registry import (
@@ -57,20 +57,21 @@ def _uses_tools(cfg: Config) -> bool:
 def data_sources(cfg: DataConfig) -> Sources:
     """Every ``data_source`` the data will hold, with its config key and first row.
 
-    Data files are read and their rows validated (DataError naming file and row); a built-in
-    task contributes the data_source its rows get.
+    The rows of the data files that are used (``data.max_train_rows``/``max_val_rows``) are
+    read and validated (DataError naming file and row); a built-in task contributes the
+    data_source its rows get.
     """
     from creditrl.agents.tasks import AGENT_TASKS
 
     sources: Sources = {}
     if cfg.train_files:
-        for key, paths in (
-            ("data.train_files", cfg.train_files),
-            ("data.val_files", cfg.val_files),
+        for key, paths, limit in (
+            ("data.train_files", cfg.train_files, "max_train_rows"),
+            ("data.val_files", cfg.val_files, "max_val_rows"),
         ):
-            for path in paths:
-                for row in read_rows(path, key):
-                    sources.setdefault(row.data_source, (key, row.source))
+            max_rows = getattr(cfg, limit)
+            for row in read_rows_from_files(paths, None, key, max_rows, f"data.{limit}"):
+                sources.setdefault(row.data_source, (key, row.source))
     elif cfg.task:
         source = cfg.task if cfg.task in AGENT_TASKS else f"reasoning_gym/{cfg.task}"
         sources[source] = ("data.task", f"data.task={cfg.task!r}")

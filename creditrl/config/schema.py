@@ -71,6 +71,10 @@ class DataConfig:
     """jsonl/parquet prompt files; when given, data.task is ignored."""
     val_files: list[str] = field(default_factory=list)
     """jsonl/parquet validation prompt files; empty (with train_files): no validation."""
+    max_train_rows: int = field(default=100_000, metadata=meta(range=AT_LEAST_1))
+    """Rows used from train_files: the first ones, file by file; later rows are not read."""
+    max_val_rows: int = field(default=10_000, metadata=meta(range=AT_LEAST_1))
+    """Rows used from val_files: the first ones, file by file; later rows are not read."""
     train_batch_size: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Prompts per training step; each yields rollout.n trajectories."""
     max_prompt_length: int = field(default=256, metadata=meta(range=AT_LEAST_1))

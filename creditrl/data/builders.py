@@ -35,9 +35,9 @@ def validation_notice(cfg: DataConfig) -> str | None:
 
 def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
     """``(train, val)`` from ``cfg.train_files``/``val_files`` if any train file is given
-    (``cfg.task`` is then ignored), else from the reasoning-gym task ``cfg.task``
-    (``train_size`` rows; ``val_size`` validation rows, none when 0). ``val`` is None when
-    there is no validation data."""
+    (their first ``max_train_rows``/``max_val_rows`` rows; ``cfg.task`` is then ignored),
+    else from the reasoning-gym task ``cfg.task`` (``train_size`` rows; ``val_size``
+    validation rows, none when 0). ``val`` is None when there is no validation data."""
 
     def dataset(rows: list, split: str, origin: str) -> PromptDataset:
         return PromptDataset(
@@ -48,10 +48,14 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
         if cfg.task:
             logger.info("data.train_files given: ignoring data.task=%r", cfg.task)
         key = "data.train_files"
-        train_rows = read_rows_from_files(cfg.train_files, cfg.system_prompt, key)
+        train_rows = read_rows_from_files(
+            cfg.train_files, cfg.system_prompt, key, cfg.max_train_rows, "data.max_train_rows"
+        )
         train = dataset(train_rows, "train", files_origin(key, cfg.train_files))
         key = "data.val_files"
-        val_rows = read_rows_from_files(cfg.val_files, cfg.system_prompt, key)
+        val_rows = read_rows_from_files(
+            cfg.val_files, cfg.system_prompt, key, cfg.max_val_rows, "data.max_val_rows"
+        )
         val = dataset(val_rows, "val", files_origin(key, cfg.val_files)) if val_rows else None
         return train, val
     if not cfg.task:

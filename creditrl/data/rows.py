@@ -11,21 +11,35 @@ Every problem is a one-line ``DataError`` naming the config key, the file and th
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
 from creditrl.errors import DataError
-from creditrl.usercode import one_line
 
-__all__ = ["ROLES", "PromptRow", "RowError", "parse_row", "read_rows", "read_rows_from_files"]
+__all__ = [
+    "MAX_TOTAL_BYTES",
+    "ROLES",
+    "ROW_LIMITS",
+    "PromptRow",
+    "RowError",
+    "parse_row",
+    "read_rows",
+    "read_rows_from_files",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 # One row of a jsonl file: 64 MiB (a prompt that long is dropped by its length before it is
 # tokenized), nested 64 deep, a million elements
 ROW_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=64, max_items=1 << 20)
+# All rows read for one split (one read_rows_from_files call): 4 GiB of lines / decoded values
+MAX_TOTAL_BYTES = 4 << 30
+
+logger = logging.getLogger(__name__)
 
 
 class RowError(DataError):
@@ -130,10 +144,10 @@ def _decode(raw: bytes, where: str, first: bool) -> str:
     return text.removeprefix("\ufeff") if first else text
 
 
-def _read_jsonl(path: str) -> list[PromptRow]:
-    """Rows of a jsonl file; a line is read at most ``ROW_LIMITS.max_bytes`` at a time and
-    decoded only within ``ROW_LIMITS`` (``creditrl.bounded_json``)."""
-    rows = []
+def _jsonl_rows(path: str) -> Iterator[tuple[int, Callable[[], Any], str]]:
+    """``(bytes, decode, where)`` per non-blank line; a line is read at most
+    ``ROW_LIMITS.max_bytes`` at a time and decoded only within ``ROW_LIMITS``
+    (``creditrl.bounded_json``)."""
     with open(path, "rb") as f:
         number = 0
         while raw := f.readline(ROW_LIMITS.max_bytes + 1):
@@ -142,38 +156,38 @@ def _read_jsonl(path: str) -> list[PromptRow]:
             if len(raw) > ROW_LIMITS.max_bytes:
                 raise RowError(f"{where} is longer than the limit of {ROW_LIMITS.max_bytes} bytes")
             line = _decode(raw, where, number == 1)
-            if not line.strip():
-                continue
-            try:
-                obj = loads_bounded(line, ROW_LIMITS)
-            except JsonLimitError as e:
-                raise RowError(f"{where}: {e}") from None
-            except json.JSONDecodeError as e:
-                raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from None
-            rows.append(parse_row(obj, where))
-    return rows
+            if line.strip():
+                yield len(raw), partial(_load_json, line, where), where
 
 
-def _read_parquet(path: str) -> list[PromptRow]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _load_json(line: str, where: str) -> Any:
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise DataError(
-            f"{path} is not a readable parquet file: {type(e).__name__}: {one_line(e)}"
-        ) from None
-    return [parse_row(obj, f"row {i} of {path}") for i, obj in enumerate(table.to_pylist(), 1)]
+        return loads_bounded(line, ROW_LIMITS)
+    except JsonLimitError as e:
+        raise RowError(f"{where}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise RowError(f"{where} is not valid JSON: {e.msg} (column {e.colno})") from None
 
 
-_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+def _parquet_rows(path: str) -> Iterator[tuple[int, Callable[[], Any], str]]:
+    """``(decoded bytes, decode, where)`` per row (``creditrl.data.parquet``); a row over
+    ``ROW_LIMITS.max_bytes`` decoded is refused before it is decoded."""
+    from creditrl.data.parquet import iter_parquet
+
+    for number, (nbytes, decode) in enumerate(iter_parquet(path), 1):
+        where = f"row {number} of {path}"
+        if nbytes > ROW_LIMITS.max_bytes:
+            raise RowError(
+                f"{where} holds {nbytes} bytes of values decoded, more than the limit of "
+                f"{ROW_LIMITS.max_bytes} bytes"
+            )
+        yield nbytes, decode, where
 
 
-def read_rows(path: str | os.PathLike[str], key: str = "data file") -> list[PromptRow]:
-    """All rows of one ``.jsonl`` or ``.parquet`` file, validated; a DataError (RowError for
-    one row) names ``key`` or the file and row."""
-    path = os.fspath(path)
+_READERS = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
+
+
+def _check_path(path: str, key: str) -> None:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in _READERS:
         raise DataError(
@@ -181,18 +195,66 @@ def read_rows(path: str | os.PathLike[str], key: str = "data file") -> list[Prom
         )
     if not os.path.isfile(path):
         raise DataError(f"{key}: {path} does not exist")
-    rows = _READERS[suffix](path)
-    if not rows:
-        raise DataError(f"{key}: {path} has no rows")
-    return rows
+
+
+def read_rows(
+    path: str | os.PathLike[str], key: str = "data file", max_rows: int | None = None
+) -> list[PromptRow]:
+    """The first ``max_rows`` (None: all) rows of one ``.jsonl`` or ``.parquet`` file,
+    validated; see ``read_rows_from_files``."""
+    return read_rows_from_files([os.fspath(path)], key=key, max_rows=max_rows)
 
 
 def read_rows_from_files(
-    paths: list[str], system_prompt: str | None = None, key: str = "data file"
+    paths: list[str],
+    system_prompt: str | None = None,
+    key: str = "data file",
+    max_rows: int | None = None,
+    max_rows_key: str = "max_rows",
 ) -> list[PromptRow]:
-    """Rows of several files in order; ``system_prompt`` is prepended to rows without one.
-    ``key`` (e.g. ``data.train_files``) names the files' config key in errors."""
-    rows = [row for path in paths for row in read_rows(path, key)]
+    """The first ``max_rows`` rows (None: all) of several files: file by file in the order
+    given, each file's rows in file order, so the rows and their order depend only on the files
+    and ``max_rows`` (a resumed run gets the same rows). Reading stops there: later rows are
+    neither decoded nor validated, and later files not opened (a warning names
+    ``max_rows_key``). ``system_prompt`` is prepended to rows without one.
+
+    Bounds, besides ``max_rows``: a row holds at most ``ROW_LIMITS.max_bytes`` (a jsonl line;
+    a parquet row's values decoded, a dictionary-encoded value counted at each use) and all rows
+    together ``MAX_TOTAL_BYTES``. A DataError (RowError for one row) names ``key`` (e.g.
+    ``data.train_files``) or the file and row.
+    """
+    for path in paths:
+        _check_path(path, key)
+    rows: list[PromptRow] = []
+    total = 0
+    for number, path in enumerate(paths):
+        before = len(rows)
+        for nbytes, decode, where in _READERS[os.path.splitext(path)[1].lower()](path):
+            if max_rows is not None and len(rows) >= max_rows:
+                _warn_unread(key, max_rows_key, max_rows, f"{where} on")
+                return _with_system(rows, system_prompt)
+            total += nbytes
+            if total > MAX_TOTAL_BYTES:
+                raise DataError(
+                    f"{key}: the rows up to {where} hold more than {MAX_TOTAL_BYTES} bytes; "
+                    f"lower {max_rows_key} or shorten the rows"
+                )
+            rows.append(parse_row(decode(), where))
+        if len(rows) == before:
+            raise DataError(f"{key}: {path} has no rows")
+        if max_rows is not None and len(rows) >= max_rows and number + 1 < len(paths):
+            _warn_unread(key, max_rows_key, max_rows, ", ".join(paths[number + 1 :]))
+            break
+    return _with_system(rows, system_prompt)
+
+
+def _warn_unread(key: str, max_rows_key: str, max_rows: int, unread: str) -> None:
+    logger.warning(
+        "%s: using the first %d rows (%s); not read: %s", key, max_rows, max_rows_key, unread
+    )
+
+
+def _with_system(rows: list[PromptRow], system_prompt: str | None) -> list[PromptRow]:
     if system_prompt is not None:
         for row in rows:
             if row.messages[0]["role"] != "system":
