@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from creditrl.config.schema import DataConfig
-from creditrl.data import build_datasets, rows
+from creditrl.data import build_datasets, parquet, rows
 from creditrl.data.parquet import row_sizes
 from creditrl.data.rows import RowError, read_rows, read_rows_from_files
 from creditrl.errors import DataError
@@ -150,3 +150,28 @@ def test_config_keys_bound_datasets_and_preflight(tmp_path: Path, tokenizer) -> 
     assert data_sources(cfg) == {
         "toy": ("data.train_files", f"row 1 of {train}"),
     }
+
+
+def test_parquet_batches_follow_the_values_the_file_states(tmp_path: Path, monkeypatch) -> None:
+    """Run-length coded lists decode to many values per row: batches shrink to hold about
+    MAX_BATCH_VALUES, and a row group stating more than MAX_GROUP_VALUES is refused."""
+    path = tmp_path / "lists.parquet"
+    messages = [{"role": "user", "content": "hi"}] * 1000
+    columns = {"messages": [messages] * 4, "ground_truth": ["1"] * 4, "data_source": ["toy"] * 4}
+    pq.write_table(pa.table(columns), path)
+    sizes = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def recording(self, **kwargs):
+        sizes.append(kwargs["batch_size"])
+        return iter_batches(self, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    monkeypatch.setattr(parquet, "MAX_BATCH_VALUES", 5000)
+    got = read_rows(path)
+    assert len(got) == 4 and len(got[3].messages) == 1000
+    assert sizes == [2]  # 2002 values a row
+    monkeypatch.setattr(parquet, "MAX_GROUP_VALUES", 8000)
+    message = f"{path}: row group 0 holds 8008 values, more than the limit of 8000; "
+    with pytest.raises(DataError, match=f"^{re.escape(message)}"):
+        read_rows(path)

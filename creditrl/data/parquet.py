@@ -1,12 +1,15 @@
 """Raw rows of a parquet data file, read in bounded batches and sized before they are decoded.
 
-A parquet file stores a value repeated a million times once (dictionary encoding), so a few
-kilobytes on disk can decode to gigabytes. Here only the columns a row uses are read, in
-batches of ``BATCH_ROWS`` rows, with every text column kept dictionary-encoded in Arrow (each
-distinct value held once); each row's decoded size, dictionaries expanded, is computed from the
-Arrow arrays (``row_sizes``) before the row becomes Python objects, so the caller can refuse a
-row or stop reading before that size is ever allocated. Rows are read in file order, so
-the first rows of a file are the same on every read.
+A parquet file stores a value repeated a million times once (dictionary encoding) and a long
+run of list entries as one run-length code, so a few kilobytes on disk can decode to gigabytes.
+Here only the columns a row uses are read, in batches of at most ``BATCH_ROWS`` rows, fewer
+where the file's metadata states more than ``MAX_BATCH_VALUES`` leaf values per batch, and a
+row group stating more than ``MAX_GROUP_VALUES`` is refused; every text column is kept
+dictionary-encoded in Arrow (each distinct value held once), and each row's decoded size,
+dictionaries expanded, is computed from the Arrow arrays (``row_sizes``) before the row becomes
+Python objects, so the caller can refuse a row or stop reading before that size is ever
+allocated. Rows are read in file order, so the first rows of a file are the same on every
+read.
 """
 
 from __future__ import annotations
@@ -23,9 +26,18 @@ import pyarrow.parquet as pq
 from creditrl.errors import DataError
 from creditrl.usercode import one_line
 
-__all__ = ["BATCH_ROWS", "ROW_COLUMNS", "iter_parquet", "row_sizes"]
+__all__ = [
+    "BATCH_ROWS",
+    "MAX_BATCH_VALUES",
+    "MAX_GROUP_VALUES",
+    "ROW_COLUMNS",
+    "iter_parquet",
+    "row_sizes",
+]
 
 BATCH_ROWS = 256
+MAX_BATCH_VALUES = 1 << 20  # leaf values (list entries, struct fields) per batch, on average
+MAX_GROUP_VALUES = 1 << 26  # leaf values one row group of the columns read may state
 # the top-level columns parse_row reads; the others are not read at all
 ROW_COLUMNS = (
     "prompt",
@@ -101,15 +113,34 @@ def _open(path: str) -> pq.ParquetFile:
         ) from None
 
 
+def _batch_rows(file: pq.ParquetFile, columns: list[str], path: str) -> int:
+    """Rows per batch: ``BATCH_ROWS``, fewer where a row group states more leaf values per row
+    in ``columns`` than ``MAX_BATCH_VALUES // BATCH_ROWS``; DataError for a row group stating
+    more than ``MAX_GROUP_VALUES``."""
+    meta = file.metadata
+    per_row = 1
+    for index in range(meta.num_row_groups):
+        group = meta.row_group(index)
+        chunks = (group.column(c) for c in range(group.num_columns))
+        values = sum(c.num_values for c in chunks if c.path_in_schema.split(".")[0] in columns)
+        if values > MAX_GROUP_VALUES:
+            raise DataError(
+                f"{path}: row group {index} holds {values} values, more than the limit of "
+                f"{MAX_GROUP_VALUES}; write the file with smaller row groups"
+            )
+        per_row = max(per_row, -(-values // max(group.num_rows, 1)))
+    return max(1, min(BATCH_ROWS, MAX_BATCH_VALUES // per_row))
+
+
 def iter_parquet(path: str) -> Iterator[tuple[int, Callable[[], dict[str, Any]]]]:
     """``(decoded bytes, decode)`` for each row of the file in order; ``decode()`` gives the
     row as a dict of the ``ROW_COLUMNS`` the file has. A caller checks the size first and stops
-    or refuses before decoding: beyond the rows it decodes, at most one batch of
-    ``BATCH_ROWS`` rows is held in Arrow (text dictionary-encoded) and ``BATCH_BYTES`` as
-    Python rows."""
+    or refuses before decoding: beyond the rows it decodes, at most one batch (see the module
+    doc) is held in Arrow and ``BATCH_BYTES`` as Python rows."""
     file = _open(path)
     columns = [name for name in file.schema_arrow.names if name in ROW_COLUMNS]
-    batches = file.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
+    size = _batch_rows(file, columns, path)
+    batches = file.iter_batches(batch_size=size, columns=columns, use_threads=False)
     while True:
         try:
             batch = next(batches)
