@@ -3,9 +3,11 @@
 It loads the user code the config names (``reward.scorer``, an ``algorithm.adv_estimator``
 given as ``file.py:name``, the tools of ``agent.tools`` / ``agent.tool_config``), reads the
 data files (JSON rows, no tokenizer) and checks that every ``data_source`` in them has a
-scorer. The first mistake raises a one-line ``UserError`` naming the key, file, row or
-function; what is fine but worth saying (validation off) comes back as notices to print.
-Checks that need the tokenizer (prompt lengths) stay in the dataset builders.
+scorer. ``model.path`` and ``model.critic_path`` pass the model directory checks
+(``creditrl.models.model_dir``: files, weights, JSON bounds, config sizes, memory). The first
+mistake raises a one-line ``UserError`` naming the key, file, row or function; what is fine but
+worth saying (validation off) comes back as notices to print. Checks that need the tokenizer
+(prompt lengths) stay in the dataset builders.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from creditrl.rewards.registry import (
 )
 from creditrl.usercode import resolve_adv_estimator
 
-__all__ = ["data_sources", "preflight"]
+__all__ = ["check_models", "data_sources", "preflight"]
 
 Sources = dict[str, tuple[str, str]]  # data_source -> (config key, first row that has it)
 
@@ -35,6 +37,7 @@ def preflight(cfg: Config) -> list[str]:
     Raises ConfigError, DataError or UserCodeError (one line each) for the first mistake.
     """
     resolve_adv_estimator(cfg.algorithm.adv_estimator)
+    check_models(cfg)
     check_max_failure_rate(cfg.reward.max_failure_rate)
     if _uses_tools(cfg):
         from creditrl.tools import build_registry
@@ -46,6 +49,21 @@ def preflight(cfg: Config) -> list[str]:
     _check_scorers(cfg, data_sources(cfg.data))
     notice = validation_notice(cfg.data)
     return [notice] if notice else []
+
+
+def check_models(cfg: Config) -> None:
+    """The directories of ``model.path`` (its tokenizer included) and
+    ``model.critic_path`` checked as loading them would, before any weights are read."""
+    from creditrl.models import load_tokenizer, resolve_model_path, torch_dtype
+    from creditrl.models.model_dir import check_memory
+
+    model = cfg.model
+    itemsize = torch_dtype(model.dtype).itemsize
+    for path in (model.path, model.critic_path):
+        if path is not None and path != "embedded":
+            check_memory(resolve_model_path(path), itemsize)
+    if model.path != "embedded":
+        load_tokenizer(model.path)
 
 
 def _uses_tools(cfg: Config) -> bool:

