@@ -4,7 +4,8 @@ It loads the user code the config names (``reward.scorer``, an ``algorithm.adv_e
 given as ``file.py:name``, the tools of ``agent.tools`` / ``agent.tool_config``), reads the
 data files (JSON rows, no tokenizer) and checks that every ``data_source`` in them has a
 scorer. ``model.path`` and ``model.critic_path`` pass the model directory checks
-(``creditrl.models.model_dir``: files, weights, JSON bounds, config sizes, memory). The first
+(``creditrl.models.model_dir``: files, weights, JSON bounds, config sizes, memory) and the
+model's chat template renders within its bound (``creditrl.models.chat_template``). The first
 mistake raises a one-line ``UserError`` naming the key, file, row or function; what is fine but
 worth saying (validation off) comes back as notices to print. Checks that need the tokenizer
 (prompt lengths) stay in the dataset builders.
@@ -52,7 +53,7 @@ def preflight(cfg: Config) -> list[str]:
 
 
 def check_models(cfg: Config) -> None:
-    """The directories of ``model.path`` (its tokenizer included) and
+    """The directories of ``model.path`` (tokenizer and chat template included) and
     ``model.critic_path`` checked as loading them would, before any weights are read."""
     from creditrl.models import load_tokenizer, resolve_model_path, torch_dtype
     from creditrl.models.model_dir import check_memory

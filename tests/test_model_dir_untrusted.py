@@ -17,12 +17,20 @@ from safetensors.torch import load_file
 
 from creditrl.cli import main
 from creditrl.config.loader import load_config
-from creditrl.models import load_causal_lm, load_tokenizer, model_dir
+from creditrl.models import chat_template, load_causal_lm, load_tokenizer, model_dir
 from creditrl.models.critic import CriticModel
 from creditrl.models.loading import local_model_dir
 from creditrl.models.model_dir import ModelError
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.preflight import preflight
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+GROWING_OUTPUT = "{% set s = 'x' * 100000 %}{% for i in range(100000) %}{{ s }}{% endfor %}"
+
+
+@pytest.fixture(autouse=True)
+def short_render_bound(monkeypatch) -> None:
+    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 1.0)
 
 
 def copy_tiny(tmp_path: Path, name: str = "model") -> Path:
@@ -70,6 +78,10 @@ def many_layers(d: Path) -> None:
     edit_config(d, num_hidden_layers=100_000)
 
 
+def looping_template(d: Path) -> None:
+    (d / "chat_template.jinja").write_text(NESTED_LOOPS)
+
+
 # (how to spoil the tiny model, what the one line names)
 HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
     "pickle": (pickle_weights, r"pytorch_model\.bin: creditrl loads only safetensors"),
@@ -77,6 +89,7 @@ HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
     "fifo": (fifo_tokenizer, r"tokenizer\.json: not a regular file"),
     "nested_json": (nested_tokenizer, r"tokenizer\.json: nested 100000 deep, above the limit"),
     "layers": (many_layers, r"config\.json: num_hidden_layers must be .* to 1000, got 100000"),
+    "template": (looping_template, r"chat_template\.jinja: the chat template did not finish"),
 }
 
 
@@ -100,8 +113,9 @@ def one_error_line(capsys, code: int) -> str:
 def test_hostile_model_dir_is_one_line_from_the_loaders(tmp_path: Path, case: str) -> None:
     directory = hostile_dir(tmp_path, case)
     message = HOSTILE[case][1]
+    loader = load_tokenizer if case == "template" else load_causal_lm
     with pytest.raises(ModelError, match=message):
-        load_causal_lm(directory)
+        loader(directory)
     cfg = load_config(overrides=[f"model.path={directory}"])
     with pytest.raises(ModelError, match=message):
         preflight(cfg)
@@ -187,6 +201,39 @@ def test_implied_memory_is_checked_before_allocating(tmp_path: Path, monkeypatch
         load_causal_lm(directory, dtype="bf16")
     monkeypatch.setenv("CREDITRL_SKIP_MEMORY_CHECK", "1")
     assert load_causal_lm(directory).config.num_hidden_layers == 2
+
+
+def test_template_growing_without_bound_in_memory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 60.0)  # the memory bound comes first
+    directory = copy_tiny(tmp_path)
+    (directory / "chat_template.jinja").write_text(GROWING_OUTPUT)
+    with pytest.raises(ModelError, match=r"chat_template\.jinja: .*needed more than 1024 MiB"):
+        load_tokenizer(directory)
+
+
+def test_template_in_tokenizer_config_is_named(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    (directory / "chat_template.jinja").unlink()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = NESTED_LOOPS
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"tokenizer_config\.json: the chat template did not"):
+        load_tokenizer(directory)
+
+
+def test_template_file_is_bounded_in_bytes(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    (directory / "chat_template.jinja").write_text("x" * (2 << 20))
+    with pytest.raises(ModelError, match=r"chat_template\.jinja: 2097152 bytes, above the limit"):
+        load_tokenizer(directory)
+
+
+def test_template_errors_are_left_to_the_real_render(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    (directory / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    tokenizer = load_tokenizer(directory)
+    with pytest.raises(Exception, match="no system role"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
 
 def test_hugging_face_cache_snapshot_with_blob_links_loads(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ anyone.
 regular file or folder inside the directory (a symlink may point into it, or, for a Hugging
 Face cache snapshot ``.../snapshots/REV``, into the cache's ``blobs/``), never a device or a
 pipe; weights are safetensors only (transformers would unpickle ``pytorch_model.bin``); each
-``*.json`` is bounded in bytes, nesting and elements before anything decodes it; ``config.json``
+``*.json`` is bounded in bytes, nesting and elements before anything decodes it, each chat
+template (``*.jinja``) in bytes; ``config.json``
 is a JSON object whose sizes (layers, hidden size, heads, vocabulary, ...) are within
 ``SIZE_BOUNDS``. ``check_memory``: the parameters the config implies, counted on the meta
 device (nothing allocated), fit in the memory available. Each problem is one ``ModelError``
@@ -28,6 +29,7 @@ __all__ = [
     "PICKLE_WEIGHTS",
     "SIZE_BOUNDS",
     "SKIP_MEMORY_CHECK_ENV",
+    "TEMPLATE_MAX_BYTES",
     "TOKENIZER_JSON_LIMITS",
     "ModelError",
     "ModelNotFoundError",
@@ -40,6 +42,8 @@ CONFIG_LIMITS = JsonLimits(max_bytes=4 << 20, max_depth=16, max_items=1 << 18)
 JSON_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=32, max_items=1 << 21)
 # tokenizer.json of a 262k-token vocabulary (Gemma 3) is 33 MB and ~3M elements
 TOKENIZER_JSON_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=32, max_items=1 << 23)
+# A chat template file, read whole (real ones are a few kB, the longest ~30 kB).
+TEMPLATE_MAX_BYTES = 1 << 20
 # Weight files transformers would read with pickle (torch.load) or from other formats.
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -86,6 +90,8 @@ def check_model_dir(directory: Path, weights: bool = True) -> None:
     roots = _allowed_roots(directory)
     for entry in _entries(directory):
         _check_entry(entry, roots)
+        if entry.suffix == ".jinja" and (size := entry.stat().st_size) > TEMPLATE_MAX_BYTES:
+            raise ModelError(f"{entry}: {size} bytes, above the limit of {TEMPLATE_MAX_BYTES}")
     if weights:
         _check_weights(directory)
     for path in sorted(p for p in directory.glob("*.json") if p.is_file()):

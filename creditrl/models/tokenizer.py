@@ -7,6 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from creditrl.models.chat_template import check_chat_template
 from creditrl.models.embedded import embedded_tokenizer_dir
 from creditrl.models.loading import local_model_dir
 from creditrl.models.model_dir import ModelError
@@ -21,6 +22,7 @@ def _load(directory: str) -> PreTrainedTokenizerBase:
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         reason = " ".join(str(err).split())[:300]
         raise ModelError(f"the tokenizer in {directory} cannot be loaded: {reason}") from None
+    check_chat_template(tokenizer, Path(directory))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -34,7 +36,8 @@ def load_tokenizer(path: str | Path, cache_dir: str | None = None) -> PreTrained
     left-padded). The object is cached per directory and shared between callers: do not mutate.
     ``"embedded"`` reads the tokenizer extracted from the GGUF, which is the same files as the
     converted model directory, without converting the weights. A local directory's files pass
-    ``check_model_dir`` first (one ``ModelError`` line otherwise).
+    ``check_model_dir`` first and its chat template ``check_chat_template`` (one ``ModelError``
+    line otherwise).
     """
     if str(path) == "embedded":
         directory = embedded_tokenizer_dir(cache_dir)
