@@ -190,6 +190,25 @@ def test_config_json_must_be_a_bounded_object(tmp_path: Path) -> None:
         load_causal_lm(directory)
 
 
+def test_what_transformers_refuses_is_one_line(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    edit_config(directory, model_type="no_such_architecture")
+    with pytest.raises(ModelError, match=r"config\.json: not a model transformers can build"):
+        load_causal_lm(directory)
+    edit_config(directory, model_type="llama")
+    (directory / "model.safetensors").write_bytes(b"\xff" * 64)  # a header of 2**64 - 1 bytes
+    with pytest.raises(ModelError, match=r"model directory .* cannot be loaded: .*header"):
+        load_causal_lm(directory)
+
+
+def test_a_directory_of_too_many_entries_is_refused(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    for i in range(model_dir.MAX_ENTRIES):
+        (directory / f"extra{i}").touch()
+    with pytest.raises(ModelError, match=r"more than 10000 entries"):
+        local_model_dir(directory)
+
+
 def test_implied_memory_is_checked_before_allocating(tmp_path: Path, monkeypatch) -> None:
     huge = copy_tiny(tmp_path, "huge")  # within every bound, ~50 T parameters
     edit_config(huge, num_hidden_layers=1000, hidden_size=65536, intermediate_size=262144)

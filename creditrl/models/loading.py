@@ -125,7 +125,7 @@ def from_local(
             local_files_only=True,
             use_safetensors=True,
         )
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as err:
         reason = " ".join(str(err).split())[:300]
         raise ModelError(f"model directory {directory} cannot be loaded: {reason}") from None
 

@@ -15,6 +15,7 @@ line naming the file or key.
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from pathlib import Path
@@ -26,6 +27,7 @@ from creditrl.errors import UserError
 __all__ = [
     "CONFIG_LIMITS",
     "JSON_LIMITS",
+    "MAX_ENTRIES",
     "PICKLE_WEIGHTS",
     "SIZE_BOUNDS",
     "SKIP_MEMORY_CHECK_ENV",
@@ -42,6 +44,8 @@ CONFIG_LIMITS = JsonLimits(max_bytes=4 << 20, max_depth=16, max_items=1 << 18)
 JSON_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=32, max_items=1 << 21)
 # tokenizer.json of a 262k-token vocabulary (Gemma 3) is 33 MB and ~3M elements
 TOKENIZER_JSON_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=32, max_items=1 << 23)
+# Entries of a model directory (a 405B model has ~200 files).
+MAX_ENTRIES = 10_000
 # A chat template file, read whole (real ones are a few kB, the longest ~30 kB).
 TEMPLATE_MAX_BYTES = 1 << 20
 # Weight files transformers would read with pickle (torch.load) or from other formats.
@@ -121,7 +125,7 @@ def check_memory(directory: Path, dtype_bytes: int) -> None:
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         raise ModelError(
             f"{config_file}: not a model transformers can build: {_line(err)}"
         ) from None
@@ -158,12 +162,20 @@ def _allowed_roots(directory: Path) -> tuple[Path, ...]:
 
 
 def _entries(directory: Path) -> list[Path]:
-    entries = sorted(directory.iterdir())
+    """The top-level entries and those of ``SUBDIRS_READ``; at most ``MAX_ENTRIES`` of each."""
+    entries = _listing(directory)
     for name in SUBDIRS_READ:
         sub = directory / name
         if sub.is_dir() and not sub.is_symlink():
-            entries.extend(sorted(sub.iterdir()))
+            entries.extend(_listing(sub))
     return entries
+
+
+def _listing(directory: Path) -> list[Path]:
+    entries = list(itertools.islice(directory.iterdir(), MAX_ENTRIES + 1))
+    if len(entries) > MAX_ENTRIES:
+        raise ModelError(f"{directory}: more than {MAX_ENTRIES} entries; not a model directory")
+    return sorted(entries)
 
 
 def _check_entry(entry: Path, roots: tuple[Path, ...]) -> None:
