@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean
+.PHONY: run test test-gpu lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	./scripts/install_chromium.sh || true  # headless Chromium for the HTML tests (else they skip)
 	$(PY) -m pytest
+
+test-gpu: $(STAMP)  ## the tests marked gpu (each skips, saying why, where CUDA is absent)
+	$(PY) -m pytest -m gpu -rs
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

@@ -32,6 +32,7 @@ from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources
 from creditrl.plain_text import as_markup, as_text
 from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
+from creditrl.workers.placement import check_device
 
 __all__ = [
     "Child",
@@ -158,6 +159,8 @@ def start_child(
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # live output, and all of it at a crash
     env.pop(LOCK_FD_ENV, None)
+    if role == "learner":  # learner rank r takes this machine's GPU r (workers.placement)
+        env["LOCAL_RANK"] = str(index)
     if lock_fd is not None:
         env[LOCK_FD_ENV] = str(lock_fd)
     proc = subprocess.Popen(
@@ -251,6 +254,7 @@ def launch(
 ) -> int:
     """Run the learner(s) and samplers to completion under ``supervise`` (or as Ray actors
     under ``ray_launch.supervise_actors`` with ``asynchronous.launcher=ray``); returns its code."""
+    check_device(cfg)  # CUDA asked for and not here: one line before any process starts
     if cfg.asynchronous.launcher == "ray":
         from creditrl.asynchronous.ray_launch import launch_ray
 

@@ -95,12 +95,14 @@ class AsyncActor:
         from creditrl.asynchronous.learner import Learner
         from creditrl.controller.distributed import destroy_process_group, init_process_group
         from creditrl.trainers.run_lock import RunLock
+        from creditrl.workers.placement import placement_for
 
         a = cfg.asynchronous
         if a.learners > 1:
             init_process_group(
                 self.index,
                 a.learners,
+                backend=placement_for(cfg).backend,
                 master_addr=a.host,
                 master_port=a.dist_port,
                 timeout_s=a.data_timeout_s + 60.0,

@@ -379,7 +379,7 @@ class RayConfig:
     cpus_per_worker: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
     """CPUs reserved per worker (also its torch threads)."""
     gpus_per_worker: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
-    """GPUs per worker; > 0: CUDA models and an NCCL process group (else gloo)."""
+    """GPUs per worker; > 0: CUDA models on each worker's GPU, an NCCL process group."""
     placement_strategy: str = field(
         default="PACK", metadata=meta(choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     )
@@ -406,6 +406,8 @@ class TrainerConfig:
     """Steps of critic-only updates before the actor learns."""
     backend: str = field(default="local", metadata=meta(choices=("local", "ray")))
     """'local' (one process) or 'ray' (trainer.workers ranks as Ray actors)."""
+    device: str = field(default="auto", metadata=meta(choices=("auto", "cpu", "cuda")))
+    """Where models and batches live: 'auto' (CUDA when visible), 'cpu' or 'cuda'."""
     workers: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Data-parallel ranks (Ray actors), each holding actor, rollout, reference (+ critic)."""
     strategy: str = field(default="ddp", metadata=meta(choices=("ddp", "fsdp2")))

@@ -10,7 +10,11 @@ __all__ = ["METHODS", "Dispatch", "LocalWorkerGroup", "WorkerGroup", "build_work
 
 def build_worker_group(cfg: Config) -> WorkerGroup:
     """The group ``trainer.backend`` names: ``local`` (one rank here) or ``ray``. The config's
-    choices and the local backend's single worker are checked when it is loaded."""
+    choices and the local backend's single worker are checked when it is loaded; CUDA asked
+    for and not visible is refused here, before Ray would wait for a GPU."""
+    from creditrl.workers.placement import check_device
+
+    check_device(cfg)
     if cfg.trainer.backend == "local":
         return LocalWorkerGroup(cfg)
     if cfg.trainer.backend == "ray":

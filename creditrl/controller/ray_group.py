@@ -1,5 +1,6 @@
 """The Ray worker group: N Ray actors, one ``HybridWorker`` each, joined by a torch.distributed
-process group (gloo on CPU, NCCL when ``trainer.ray.gpus_per_worker`` > 0).
+process group (``creditrl.workers.placement``: gloo on CPU, NCCL on each rank's own GPU when
+``trainer.ray.gpus_per_worker`` > 0).
 
 Resource pools: by default one pool holds every role (actor, rollout, reference and critic
 share each rank's process and device). ``trainer.critic_placement=separate`` gives the critic
@@ -91,12 +92,13 @@ class RankActor:
         """Join the process group and build the models; returns the pad token id."""
         from creditrl.workers.distributed import init_process_group
         from creditrl.workers.hybrid import HybridWorker
+        from creditrl.workers.placement import placement_for
 
         trainer = self.cfg.trainer
         init_process_group(
             self.rank,
             self.world,
-            backend="nccl" if trainer.ray.gpus_per_worker > 0 else "gloo",
+            backend=placement_for(self.cfg).backend,
             master_addr=master_addr,
             master_port=master_port,
             timeout_s=trainer.collective_timeout_s,

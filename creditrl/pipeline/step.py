@@ -30,7 +30,7 @@ from creditrl.pipeline.plan import Plan, structured_reward
 from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
 from creditrl.workers.hybrid import PREFILL_FIELD
-from creditrl.workers.precision import update_autocast
+from creditrl.workers.placement import placement_for, update_autocast
 
 __all__ = [
     "StepPipeline",
@@ -68,7 +68,13 @@ def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
         return StructuredRewardManager(cfg.reward, cfg.agent, tokenizer)
     from creditrl.rewards import RewardManager
 
-    return RewardManager(cfg.reward, tokenizer)
+    reward_model = None
+    if cfg.reward.reward_model.enable:  # on this process's device (CPU beside Ray workers)
+        from creditrl.rewards.reward_model import RewardModelWorker
+
+        device = placement_for(cfg).device if cfg.trainer.backend == "local" else "cpu"
+        reward_model = RewardModelWorker(cfg.reward.reward_model, tokenizer, device)
+    return RewardManager(cfg.reward, tokenizer, reward_model)
 
 
 def rollout_log_probs_reusable(cfg: Config) -> bool:

@@ -42,7 +42,8 @@ from creditrl.tracking import (
 from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.run_lock import RunLock
-from creditrl.workers.precision import actor_device, autocast_choice, update_autocast
+from creditrl.workers.placement import check_device, describe, device_type, update_autocast
+from creditrl.workers.precision import autocast_choice
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -90,6 +91,7 @@ class RLTrainer:
         self.cfg = cfg
         self.console = console or Console(highlight=False, emoji=False)
         self.out = Path(cfg.trainer.output_dir)
+        check_device(cfg)  # CUDA asked for and not here: one line, before anything waits
         self.run_lock = RunLock.acquire(self.out)  # held until close(): one run per folder
         try:
             self._build()
@@ -114,9 +116,10 @@ class RLTrainer:
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.pipeline = StepPipeline(cfg, self.workers, self.reward, self.tokenizer)
         self.use_critic = self.pipeline.plan.needs_critic
-        device = actor_device(cfg)
         self.health = FirstMinibatchMonitor.for_autocast(update_autocast(cfg))
-        self.console.print(as_text(autocast_choice(cfg.actor.autocast, device), style="dim"))
+        self.console.print(as_text(describe(cfg), style="dim"))
+        choice = autocast_choice(cfg.actor.autocast, device_type(cfg))
+        self.console.print(as_text(choice, style="dim"))
         self.uid_rng = np.random.default_rng(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)

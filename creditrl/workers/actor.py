@@ -23,6 +23,7 @@ from creditrl.workers.forward import policy_forward, split_indices
 from creditrl.workers.micro_batches import micro_batches_for, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_policy_forward
+from creditrl.workers.placement import CPU, Placement
 from creditrl.workers.precision import resolve_autocast
 from creditrl.workers.prefix_tree import (
     group_by_prompt,
@@ -57,6 +58,7 @@ class ActorWorker:
     ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``);
     ``shared_prefix`` computes each distinct token prefix of a micro-batch once
     (``workers.prefix_tree``), with the rows of one prompt in the same micro-batches.
+    The model and the batches it is given are on ``placement``'s device (the CPU by default).
     """
 
     def __init__(
@@ -67,9 +69,11 @@ class ActorWorker:
         total_optimizer_steps: int = 1,
         trainable: bool = True,
         seed: int = 0,
+        placement: Placement = CPU,
     ) -> None:
         self.model = model
         self.cfg = cfg
+        self.device = placement.device
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -78,14 +82,13 @@ class ActorWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.loss_cfg = policy_loss_config(cfg)
         get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
-        device = next(model.parameters()).device.type
-        self.autocast = resolve_autocast(cfg.autocast, device)
+        self.autocast = resolve_autocast(cfg.autocast, self.device.type)
         if cfg.max_token_len_per_device < 1:
             raise ValueError(
                 f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
             )
         forward = packed_policy_forward if cfg.use_remove_padding else policy_forward
-        self.shared_prefix = resolve_shared_prefix(cfg.shared_prefix, model)
+        self.shared_prefix = resolve_shared_prefix(cfg.shared_prefix, model, self.device.type)
         if self.shared_prefix:
             forward = partial(prefix_tree_policy_forward, fallback=forward)
         self._forward = forward
@@ -98,8 +101,9 @@ class ActorWorker:
         """bfloat16 autocast for the update's forward and backward when ``actor.autocast``
         resolves to bf16 (``creditrl.workers.precision``; benchmarks/results/precision.md);
         log-probs and losses stay float32."""
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16"
+        )
 
     @torch.no_grad()
     def compute_log_prob(

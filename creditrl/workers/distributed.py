@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_gradients",
     "all_reduce_sum",
     "broadcast_bytes",
+    "collective_device",
     "destroy_process_group",
     "init_process_group",
     "is_distributed",
@@ -78,7 +79,8 @@ def init_process_group(
     timeout_s: float = 60.0,
 ) -> None:
     """Join the default process group through a TCP store at ``master_addr:master_port``
-    (None: ``$MASTER_ADDR``, else 127.0.0.1). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU.
+    (None: ``$MASTER_ADDR``, else 127.0.0.1). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU
+    (``Placement.backend``); collectives then take their tensors on ``collective_device()``.
 
     On a loopback address nothing listens beyond this machine: rank 0 opens the store's
     listening socket on that address itself (torch's store would listen on every interface),
@@ -133,12 +135,22 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def collective_device() -> torch.device:
+    """Where the process group's collectives take their tensors: this rank's current CUDA
+    device under NCCL (it refuses CPU tensors), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
     """The sum over ranks of each value (one float64 all-reduce for the whole dict)."""
     if not is_distributed() or not values:
         return dict(values)
     keys = sorted(values)
-    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    packed = torch.tensor(
+        [float(values[k]) for k in keys], dtype=torch.float64, device=collective_device()
+    )
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     return dict(zip(keys, packed.tolist(), strict=True))
 
@@ -175,14 +187,17 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         if data is None:
             raise ValueError("broadcast_bytes without a process group needs data")
         return data
-    length = torch.tensor([len(data) if dist.get_rank() == src else 0], dtype=torch.int64)
+    device = collective_device()
+    length = torch.tensor(
+        [len(data) if dist.get_rank() == src else 0], dtype=torch.int64, device=device
+    )
     dist.broadcast(length, src=src)
     if dist.get_rank() == src:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
-        buffer = torch.empty(int(length), dtype=torch.uint8)
+        buffer = torch.empty(int(length), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=src)
-    return buffer.numpy().tobytes()
+    return buffer.cpu().numpy().tobytes()
 
 
 def scatter_batches(parts: list[Batch] | None, src: int = 0) -> Batch:
@@ -193,19 +208,20 @@ def scatter_batches(parts: list[Batch] | None, src: int = 0) -> Batch:
             raise ValueError("scatter_batches without a process group needs exactly one part")
         return parts[0]
     me, world = dist.get_rank(), dist.get_world_size()
+    device = collective_device()
     if me == src:
         if parts is None or len(parts) != world:
             raise ValueError(f"rank {src} must pass {world} batches, got {parts and len(parts)}")
         payloads = [p.to_bytes() for p in parts]
-        lengths = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        lengths = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=device)
     else:
-        lengths = torch.empty(world, dtype=torch.int64)
+        lengths = torch.empty(world, dtype=torch.int64, device=device)
     dist.broadcast(lengths, src=src)
     if me == src:
         for r, payload in enumerate(payloads):
             if r != src:
-                dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=r)
+                dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), dst=r)
         return parts[src]
-    buffer = torch.empty(int(lengths[me]), dtype=torch.uint8)
+    buffer = torch.empty(int(lengths[me]), dtype=torch.uint8, device=device)
     dist.recv(buffer, src=src)
-    return Batch.from_bytes(buffer.numpy().tobytes())
+    return Batch.from_bytes(buffer.cpu().numpy().tobytes())

@@ -46,6 +46,7 @@ from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, 
 from creditrl.workers.critic import CriticWorker
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
+from creditrl.workers.placement import Placement, placement_for, to_cpu
 
 __all__ = ["ADDITIVE_METRICS", "PREFILL_FIELD", "ROLES", "HybridWorker"]
 
@@ -116,6 +117,7 @@ class HybridWorker:
             raise ValueError("roles 'actor' and 'rollout' exclude each other: the actor samples")
         self.cfg = cfg
         self.rank, self.world = rank(), world_size()
+        self.placement: Placement = placement_for(cfg)
         self.plan = Plan.from_config(cfg)
         if "actor" in roles or "rollout" in roles:
             check_rollout_engine(cfg.rollout.engine)  # before any model is built
@@ -132,9 +134,7 @@ class HybridWorker:
         if "rollout" in roles:
             self._build_rollout()
         if ("ref" in roles or with_ref) and self.ref is None:
-            self.ref = ActorWorker(
-                load_reference(self.model_path, cfg.model.dtype), cfg.actor, trainable=False
-            )
+            self.ref = self._frozen(load_reference(self.model_path, cfg.model.dtype))
         if "critic" in roles and self.plan.needs_critic:
             self._build_critic()
 
@@ -145,6 +145,16 @@ class HybridWorker:
         if self.world == 1:
             return section, self.n
         return _per_rank(section, self.n, self.world, what), 1
+
+    def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` moved to this rank's device (before sharding and before any optimizer)."""
+        return model.to(self.placement.device)
+
+    def _frozen(self, model: torch.nn.Module) -> ActorWorker:
+        """A reference ``ActorWorker`` (no optimizer) over ``model`` on the device."""
+        return ActorWorker(
+            self._placed(model), self.cfg.actor, trainable=False, placement=self.placement
+        )
 
     def _shard(self, model: torch.nn.Module) -> None:
         trainer = self.cfg.trainer
@@ -158,6 +168,7 @@ class HybridWorker:
     def _build_actor(self) -> None:
         cfg = self.cfg
         policy = load_causal_lm(self.model_path, cfg.model.dtype, cfg.model.gradient_checkpointing)
+        policy = self._placed(policy)
         ref_model = None
         lora = cfg.model.lora_rank > 0
         if lora:
@@ -181,9 +192,10 @@ class HybridWorker:
                 cfg, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs
             ),
             seed=cfg.trainer.seed + self.rank,
+            placement=self.placement,
         )
         if ref_model is not None:
-            self.ref = ActorWorker(ref_model, cfg.actor, trainable=False)
+            self.ref = self._frozen(ref_model)
         self._build_engine(rollout_model, lora)
         if not samples_with_module:
             self.sync_rollout_weights()
@@ -191,6 +203,7 @@ class HybridWorker:
     def _build_rollout(self) -> None:
         cfg = self.cfg
         policy = load_causal_lm(self.model_path, cfg.model.dtype).requires_grad_(False).eval()
+        policy = self._placed(policy)
         lora = cfg.model.lora_rank > 0 and cfg.asynchronous.lora_sync == "adapter"
         if lora:
             policy = apply_lora(
@@ -236,7 +249,7 @@ class HybridWorker:
     def _build_critic(self) -> None:
         cfg = self.cfg
         path = resolve_model_path(cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir)
-        model = CriticModel.from_actor(path, cfg.model.dtype)
+        model = self._placed(CriticModel.from_actor(path, cfg.model.dtype))
         self._shard(model)
         critic_cfg, self.critic_n = self._actor_cfg(cfg.critic, "critic")
         self.critic = CriticWorker(
@@ -268,6 +281,7 @@ class HybridWorker:
             out = self.rollout.generate(prompts, greedy=greedy, temperature=temperature, seed=seed)
         finally:
             self.engine.sleep()
+        out = to_cpu(out)  # the engine follows the model's device; the pipeline reads the CPU
         prefill = (getattr(self.rollout, "last_stats", None) or {}).get("prefill_tokens")
         if prefill is not None and len(out):
             counts = torch.zeros(len(out), dtype=torch.long)
@@ -277,12 +291,15 @@ class HybridWorker:
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``old_log_probs`` and ``entropys`` under the actor."""
-        log_probs, entropy = self.actor.compute_log_prob(batch, temperature)
-        return Batch.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        log_probs, entropy = self.actor.compute_log_prob(
+            self.placement.to_device(batch), temperature
+        )
+        return to_cpu(Batch.from_dict({"old_log_probs": log_probs, "entropys": entropy}))
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``ref_log_prob``: the frozen reference, else (the actor under LoRA) the base model
         with the adapters off."""
+        batch = self.placement.to_device(batch)
         if self.ref is not None:
             log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
         elif self.actor is not None and self.cfg.model.lora_rank > 0:
@@ -293,21 +310,24 @@ class HybridWorker:
                 "this worker has no reference model: build it with HybridWorker(cfg, "
                 "roles=('rollout', 'ref')) or with_ref=True"
             )
-        return Batch.from_dict({"ref_log_prob": log_probs})
+        return to_cpu(Batch.from_dict({"ref_log_prob": log_probs}))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` V(s_t) of the critic."""
-        return Batch.from_dict({"values": self.critic.compute_values(batch)})
+        values = self.critic.compute_values(self.placement.to_device(batch))
+        return to_cpu(Batch.from_dict({"values": values}))
 
     def update_actor(self, batch: Batch, temperature: float) -> dict[str, float]:
         """PPO epochs on this rank's shard; gradients are summed over ranks."""
-        metrics = self.actor.update_policy(batch, temperature, self.actor_n)
+        metrics = self.actor.update_policy(
+            self.placement.to_device(batch), temperature, self.actor_n
+        )
         self.sync_rollout_weights()
         return _reduce(metrics)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss epochs on this rank's shard."""
-        return _reduce(self.critic.update_critic(batch, self.critic_n))
+        return _reduce(self.critic.update_critic(self.placement.to_device(batch), self.critic_n))
 
     @property
     def policy_model(self) -> torch.nn.Module:
@@ -371,8 +391,9 @@ class HybridWorker:
     def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> str | None:
         """Restore from ``directory`` for this world size (a collective); None, or why the
         checkpoint does not fit these models (then nothing is loaded). Random streams are
-        restored when the checkpoint was written by as many ranks; else they restart from
-        the seed (the data order is the controller's and does not change)."""
+        restored when the checkpoint was written by as many ranks on the same kind of device
+        (a CUDA generator's state does not fit a CPU one); else they restart from the seed
+        (the data order is the controller's and does not change)."""
         path = Path(directory)
         problem = checkpoint_mismatch(path, meta, self.trainables())
         if problem is not None:
@@ -385,8 +406,9 @@ class HybridWorker:
         if file.is_file() and meta.get("world_size", self.world) == self.world:
             states = load_file(str(file))
             for key, gen in self.generators().items():
-                if f"rank{self.rank}.{key}" in states:
-                    gen.set_state(states[f"rank{self.rank}.{key}"])
+                state = states.get(f"rank{self.rank}.{key}")
+                if state is not None and state.numel() == gen.get_state().numel():
+                    gen.set_state(state)  # another device's stream (CPU vs CUDA) restarts
         return None
 
 

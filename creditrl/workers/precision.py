@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
 __all__ = [
     "AUTOCAST_CHOICES",
-    "actor_device",
     "autocast_choice",
     "cpu_has_native_bf16",
     "resolve_autocast",
-    "update_autocast",
 ]
 
 AUTOCAST_CHOICES = ("auto", "bf16", "none")
@@ -37,16 +34,6 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
     flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
     return any(flag in flags for flag in _BF16_FLAGS)
-
-
-def actor_device(cfg: Any) -> str:
-    """Where the actor's update runs: 'cuda' when Ray workers get GPUs, else 'cpu'."""
-    return "cuda" if cfg.trainer.ray.gpus_per_worker > 0 else "cpu"
-
-
-def update_autocast(cfg: Any) -> str:
-    """What ``actor.autocast`` resolves to for this config's update: 'bf16' or 'none'."""
-    return resolve_autocast(cfg.actor.autocast, actor_device(cfg))
 
 
 def resolve_autocast(setting: str, device: str) -> str:

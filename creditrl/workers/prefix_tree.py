@@ -129,10 +129,11 @@ def group_by_prompt(batch: Batch) -> torch.Tensor:
     return torch.argsort(first_row[group] * len(group) + torch.arange(len(group)))
 
 
-def resolve_shared_prefix(setting: str, model: torch.nn.Module) -> bool:
+def resolve_shared_prefix(setting: str, model: torch.nn.Module, device: str = "cpu") -> bool:
     """Whether the actor uses the tree forward: 'always' (ValueError if the model cannot),
     'never', or 'auto': for CPU models that can (measured faster there: benchmarks/step_time.py;
-    unmeasured on GPUs, where the dense mask also rules out flash-attention kernels)."""
+    unmeasured on GPUs, where the dense mask also rules out flash-attention kernels).
+    ``device``: the type of the device the model runs on ('cpu', 'cuda')."""
     if setting not in SHARED_PREFIX_CHOICES:
         raise ValueError(
             f"actor.shared_prefix must be one of {SHARED_PREFIX_CHOICES}, got {setting!r}"
@@ -144,5 +145,4 @@ def resolve_shared_prefix(setting: str, model: torch.nn.Module) -> bool:
         if reason is not None:
             raise ValueError(f"actor.shared_prefix=always cannot be used: {reason}")
         return True
-    device = next(model.parameters()).device.type
     return reason is None and device == "cpu"
