@@ -194,3 +194,19 @@ def test_resume_across_devices_on_a_gpu(tmp_path: Path, first: str, then: str) -
     """A run checkpointed on the CPU resumes on CUDA and back."""
     _, resumed = _resume_after_step_one(tmp_path, first, then)
     assert set(resumed) == {0, 1, 2} and resumed[2]["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("command", ["async", "learner"])
+def test_async_commands_refuse_cuda_without_cuda(
+    tmp_path: Path, capsys, monkeypatch, command: str
+) -> None:
+    """``creditrl async`` (before any process starts) and a learner rank (before it joins its
+    process group) refuse ``trainer.device=cuda`` without CUDA in one line, exit 2."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = [f"model.path={tiny_model_dir()}", f"trainer.output_dir={tmp_path / 'run'}"]
+    code = main([command, *args, "trainer.device=cuda"])
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip()
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text
+    assert "trainer.device=cuda" in errors[0] and "no visible CUDA device" in errors[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.asynchronous.learner import Learner
     from creditrl.controller.distributed import destroy_process_group, init_process_group
     from creditrl.trainers.run_lock import RunLock
+    from creditrl.workers.placement import placement_for
 
     try:
         cfg, _, _ = load_from_args(args.args)
@@ -25,6 +27,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if not 0 <= args.rank < world:
             console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
             return 2
+        os.environ.setdefault("LOCAL_RANK", str(args.rank))  # rank r: this machine's GPU r
+        backend = placement_for(cfg).backend  # CUDA asked for and not here: one line
         # rank 0 owns the output folder: one run at a time (the launcher hands over its lock)
         lock = RunLock.acquire(Path(cfg.trainer.output_dir)) if args.rank == 0 else None
     except UserError as err:
@@ -35,6 +39,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             init_process_group(
                 args.rank,
                 world,
+                backend=backend,
                 master_port=cfg.asynchronous.dist_port,
                 timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
             )
