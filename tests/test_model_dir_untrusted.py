@@ -240,6 +240,22 @@ def test_template_in_tokenizer_config_is_named(tmp_path: Path) -> None:
         load_tokenizer(directory)
 
 
+def test_template_looping_only_when_given_tools_is_refused(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    template = "{% if tools %}" + NESTED_LOOPS + "{% endif %}{{ messages[0].content }}"
+    (directory / "chat_template.jinja").write_text(template)
+    with pytest.raises(ModelError, match=r"chat_template\.jinja: the chat template did not"):
+        load_tokenizer(directory)
+
+
+def test_every_named_template_is_bounded(tmp_path: Path) -> None:
+    directory = copy_tiny(tmp_path)
+    (directory / "additional_chat_templates").mkdir()
+    (directory / "additional_chat_templates" / "tool_use.jinja").write_text(NESTED_LOOPS)
+    with pytest.raises(ModelError, match=r"additional_chat_templates/tool_use\.jinja: the chat"):
+        load_tokenizer(directory)
+
+
 def test_template_file_is_bounded_in_bytes(tmp_path: Path) -> None:
     directory = copy_tiny(tmp_path)
     (directory / "chat_template.jinja").write_text("x" * (2 << 20))
