@@ -15,6 +15,7 @@ from creditrl.cli import main
 from creditrl.errors import ConfigError
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.rl_trainer import RLTrainer
+from creditrl.workers.device_memory import DeviceMemoryError
 from creditrl.workers.hybrid import HybridWorker
 from creditrl.workers.placement import check_device, describe, placement_for, to_cpu
 
@@ -147,6 +148,14 @@ def test_every_tensor_reaching_a_forward_is_on_the_device(tmp_path: Path, device
     states = worker.actor.optimizer.state.values()
     assert _devices([v for s in states for v in s.values() if v.dim() > 0]) == {expected}
     assert _devices(list(trainer.last_batch.tensors.values())) == {torch.device("cpu")}
+    memory = {k for k in read_metrics(tmp_path)[1] if k.endswith("max_memory_allocated_gb")}
+    if device == "cpu":  # peak GPU memory is a CUDA figure: absent on the CPU
+        assert memory == set()
+    else:
+        stages = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+        assert memory == {"perf/max_memory_allocated_gb"} | {
+            f"perf/{stage}/max_memory_allocated_gb" for stage in stages
+        }
 
 
 def _resume_after_step_one(tmp_path: Path, first: str, then: str) -> tuple[dict, dict]:
@@ -210,3 +219,38 @@ def test_async_commands_refuse_cuda_without_cuda(
     errors = [line for line in text.splitlines() if "error" in line]
     assert code == 2 and len(errors) == 1 and "Traceback" not in text, text
     assert "trainer.device=cuda" in errors[0] and "no visible CUDA device" in errors[0]
+
+
+def _out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79 GiB\n"
+        "of which 1.2 GiB is free."
+    )
+
+
+@pytest.mark.parametrize(
+    "stage,keys",
+    [
+        ("gen", ["rollout.micro_batch_size"]),
+        ("update_actor", ["actor.ppo_micro_batch_size", "actor.max_token_len_per_device"]),
+    ],
+)
+def test_out_of_memory_is_one_line_naming_the_stage(
+    tmp_path: Path, monkeypatch, stage: str, keys: list[str]
+) -> None:
+    """A stage running out of GPU memory is one line naming the stage, the device, torch's
+    first line and the keys that lower that stage's memory."""
+    worker = HybridWorker(tiny_trainer_config(tmp_path, "trainer.device=cpu"))
+    batch = Batch.from_dict({"x": torch.zeros(2, 3)})
+    if stage == "gen":
+        monkeypatch.setattr(worker.rollout, "generate", _out_of_memory)
+        call = lambda: worker.generate(batch)  # noqa: E731
+    else:
+        monkeypatch.setattr(worker.actor, "update_policy", _out_of_memory)
+        call = lambda: worker.update_actor(batch, 1.0)  # noqa: E731
+    with pytest.raises(DeviceMemoryError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"out of memory on cpu in stage {stage} (CUDA out of memory.")
+    assert all(key in message for key in keys), message

@@ -44,6 +44,7 @@ from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_eng
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
+from creditrl.workers.device_memory import StageMemory
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
 from creditrl.workers.placement import Placement, placement_for, to_cpu
@@ -118,6 +119,7 @@ class HybridWorker:
         self.cfg = cfg
         self.rank, self.world = rank(), world_size()
         self.placement: Placement = placement_for(cfg)
+        self.memory = StageMemory(self.placement.device)  # per-stage peaks; OOM as one line
         self.plan = Plan.from_config(cfg)
         if "actor" in roles or "rollout" in roles:
             check_rollout_engine(cfg.rollout.engine)  # before any model is built
@@ -278,7 +280,10 @@ class HybridWorker:
         engine and the agent loop over it do), the answer carries it in ``PREFILL_FIELD``."""
         self.engine.wake_up()
         try:
-            out = self.rollout.generate(prompts, greedy=greedy, temperature=temperature, seed=seed)
+            with self.memory.stage("gen"):
+                out = self.rollout.generate(
+                    prompts, greedy=greedy, temperature=temperature, seed=seed
+                )
         finally:
             self.engine.sleep()
         out = to_cpu(out)  # the engine follows the model's device; the pipeline reads the CPU
@@ -291,43 +296,50 @@ class HybridWorker:
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``old_log_probs`` and ``entropys`` under the actor."""
-        log_probs, entropy = self.actor.compute_log_prob(
-            self.placement.to_device(batch), temperature
-        )
+        with self.memory.stage("old_log_prob"):
+            log_probs, entropy = self.actor.compute_log_prob(
+                self.placement.to_device(batch), temperature
+            )
         return to_cpu(Batch.from_dict({"old_log_probs": log_probs, "entropys": entropy}))
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``ref_log_prob``: the frozen reference, else (the actor under LoRA) the base model
         with the adapters off."""
-        batch = self.placement.to_device(batch)
-        if self.ref is not None:
-            log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
-        elif self.actor is not None and self.cfg.model.lora_rank > 0:
-            with disabled_adapters(self.actor.model):
-                log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
-        else:
+        if self.ref is None and (self.actor is None or self.cfg.model.lora_rank == 0):
             raise RuntimeError(
                 "this worker has no reference model: build it with HybridWorker(cfg, "
                 "roles=('rollout', 'ref')) or with_ref=True"
             )
+        batch = self.placement.to_device(batch)
+        with self.memory.stage("ref"):
+            if self.ref is not None:
+                log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
+            else:
+                with disabled_adapters(self.actor.model):
+                    log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
         return to_cpu(Batch.from_dict({"ref_log_prob": log_probs}))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` V(s_t) of the critic."""
-        values = self.critic.compute_values(self.placement.to_device(batch))
+        with self.memory.stage("values"):
+            values = self.critic.compute_values(self.placement.to_device(batch))
         return to_cpu(Batch.from_dict({"values": values}))
 
     def update_actor(self, batch: Batch, temperature: float) -> dict[str, float]:
-        """PPO epochs on this rank's shard; gradients are summed over ranks."""
-        metrics = self.actor.update_policy(
-            self.placement.to_device(batch), temperature, self.actor_n
-        )
+        """PPO epochs on this rank's shard; gradients are summed over ranks. With the step's
+        peak GPU memory per stage (``StageMemory.metrics``; none on the CPU)."""
+        with self.memory.stage("update_actor"):
+            metrics = self.actor.update_policy(
+                self.placement.to_device(batch), temperature, self.actor_n
+            )
         self.sync_rollout_weights()
-        return _reduce(metrics)
+        return {**_reduce(metrics), **self.memory.metrics()}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        """Value-loss epochs on this rank's shard."""
-        return _reduce(self.critic.update_critic(self.placement.to_device(batch), self.critic_n))
+        """Value-loss epochs on this rank's shard, with the peak GPU memory so far this step."""
+        with self.memory.stage("update_critic"):
+            metrics = self.critic.update_critic(self.placement.to_device(batch), self.critic_n)
+        return {**_reduce(metrics), **self.memory.metrics()}
 
     @property
     def policy_model(self) -> torch.nn.Module:
