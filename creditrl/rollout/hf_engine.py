@@ -240,7 +240,10 @@ class HFRolloutEngine(RolloutEngine):
         turn_cache: TurnKVCache | None = None,
     ) -> Batch:
         params = self.sampling_params(greedy=greedy, temperature=temperature)
-        ids, mask, positions = _prompt_tensors(prompts, self.model.device)
+        device = self.model.device
+        if device.type != "cpu":  # sampled where the model is; answered on the CPU
+            prompts = prompts.to(device)
+        ids, mask, positions = _prompt_tensors(prompts, device)
         seeds = prompts.get("sample_seed")
         size = self.cfg.micro_batch_size
         parts = []
@@ -271,6 +274,8 @@ class HFRolloutEngine(RolloutEngine):
         finally:
             self.model.train(was_training)
         out = self._assemble(prompts, ids, mask, parts)
+        if device.type != "cpu":
+            out = out.to("cpu")
         self.last_stats["response_tokens"] = float(out["response_mask"].sum())
         return out
 

@@ -9,6 +9,9 @@ Two formats, both safetensors + JSON (no pickle), both loadable by any number of
   to full tensors and re-shards for the current world size. Under ddp the weights are
   replicated, so rank 0 writes one shard.
 
+Tensors are written from the CPU and read onto it, then copied into the models and optimizer
+wherever they live (``trainer.device``): a run checkpointed on the CPU resumes on CUDA and back.
+
 Tied weights (the LM head sharing the embedding) are stored once; the other names are
 recorded as aliases in the JSON meta.
 
