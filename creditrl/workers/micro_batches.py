@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from creditrl.batch import Batch
-from creditrl.workers.distributed import is_distributed
+from creditrl.workers.distributed import collective_device, is_distributed
 from creditrl.workers.forward import split_indices
 
 __all__ = [
@@ -159,7 +159,7 @@ def micro_batches_for(
     }
     indices = micro_batch_indices(batch, micro_batch_size, **kwargs)
     if cfg.use_dynamic_bsz and is_distributed():
-        count = torch.tensor([len(indices)], dtype=torch.int64)
+        count = torch.tensor([len(indices)], dtype=torch.int64, device=collective_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if int(count) > len(indices):
             indices = micro_batch_indices(
