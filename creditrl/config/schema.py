@@ -254,6 +254,8 @@ class ActorConfig:
     """Pack each micro-batch's real tokens into one row (no compute on padding)."""
     shared_prefix: str = field(default="auto", metadata=meta(choices=("auto", "always", "never")))
     """Compute each distinct token prefix of a micro-batch once (always | never | auto: on CPU)."""
+    logits_chunk_tokens: int = field(default=1024, metadata=meta(range=AT_LEAST_0))
+    """Tokens whose float32 logits exist at once in log-prob/entropy passes; 0: all at once."""
 
 
 @dataclass

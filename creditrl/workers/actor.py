@@ -87,10 +87,15 @@ class ActorWorker:
             raise ValueError(
                 f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
             )
-        forward = packed_policy_forward if cfg.use_remove_padding else policy_forward
+        forward = partial(
+            packed_policy_forward if cfg.use_remove_padding else policy_forward,
+            chunk_tokens=cfg.logits_chunk_tokens,
+        )
         self.shared_prefix = resolve_shared_prefix(cfg.shared_prefix, model, self.device.type)
         if self.shared_prefix:
-            forward = partial(prefix_tree_policy_forward, fallback=forward)
+            forward = partial(
+                prefix_tree_policy_forward, fallback=forward, chunk_tokens=cfg.logits_chunk_tokens
+            )
         self._forward = forward
 
     def _micro_batches(self, batch: Batch, size: int) -> list[torch.Tensor]:

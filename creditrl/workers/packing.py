@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from creditrl.batch import Batch
-from creditrl.core import entropy_from_logits, log_probs_from_logits
+from creditrl.core.entropy import Head
+from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, output_rows, response_log_probs
 
 __all__ = [
     "PackedSequences",
@@ -104,45 +105,56 @@ def packed_policy_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``policy_forward`` on the packed micro-batch: log pi(y_t | s_t) (B, T) and entropy
     (B, T) when asked (no gradient when ``entropy_grad`` is False); 0 on padding columns.
     Logits are computed only at the M positions before response tokens."""
     packed = pack(batch)
-    out = model(
+    rows, head = output_rows(
+        model,
+        packed.logit_positions,
         input_ids=packed.input_ids,
         attention_mask=None,
         position_ids=packed.position_ids,
-        use_cache=False,
-        logits_to_keep=packed.logit_positions,
     )
     return response_outputs(
-        out.logits[0], packed, temperature, with_entropy, entropy_grad, labels=packed.labels
+        rows[0],
+        packed,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        labels=packed.labels,
+        head=head,
+        chunk_tokens=chunk_tokens,
     )
 
 
 def response_outputs(
-    logits: torch.Tensor,
+    rows: torch.Tensor,
     layout: PackedSequences,
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
     *,
     labels: torch.Tensor,
+    head: Head | None = None,
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """From (M, V) logits, one row per real response token (its ``labels`` (M,)): the
-    log-probs (B, T) at ``temperature`` and, when asked, the entropies (B, T) (no gradient
-    when ``entropy_grad`` is False), 0 on padding columns (``layout.response_valid``)."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = unpack(log_probs_from_logits(logits, labels), layout)
-    entropy = None
-    if with_entropy and entropy_grad:
-        entropy = unpack(entropy_from_logits(logits), layout)
-    elif with_entropy:
-        with torch.no_grad():
-            entropy = unpack(entropy_from_logits(logits.detach()), layout)
-    return log_probs, entropy
+    """From (M, D) rows, one per real response token (its ``labels`` (M,)): logits, or hidden
+    states with their ``head`` (``forward.output_rows``), the log-probs (B, T) at
+    ``temperature`` and, when asked, the entropies (B, T) (no gradient when ``entropy_grad`` is
+    False), 0 on padding columns (``layout.response_valid``)."""
+    return response_log_probs(
+        rows,
+        head,
+        layout.response_valid,
+        labels,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        chunk_tokens,
+    )
 
 
 def packed_value_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

@@ -26,6 +26,7 @@ from creditrl.models.token_tree import (
     tree_pays,
     tree_unsupported,
 )
+from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, output_rows
 from creditrl.workers.packing import pack, response_outputs
 
 __all__ = [
@@ -94,26 +95,33 @@ def prefix_tree_policy_forward(
     entropy_grad: bool = True,
     *,
     fallback: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``policy_forward`` over the micro-batch's prefix tree: log pi(y_t | s_t) (B, T) and the
     entropy (B, T) when asked (no gradient when ``entropy_grad`` is False); 0 on padding
-    columns. Runs ``fallback`` (same arguments) where the tree does not pay."""
+    columns. Runs ``fallback`` (same first five arguments) where the tree does not pay."""
     tree = build_prefix_tree(batch, only_if_it_pays=True)
     if tree is None:
         return fallback(model, batch, temperature, with_entropy, entropy_grad)
     mask = tree_attention_mask(
         tree.ancestors, model.config._attn_implementation, next(model.parameters()).dtype
     )
-    out = model(
+    rows, head = output_rows(
+        model,
+        tree.logit_nodes,
         input_ids=tree.input_ids,
         attention_mask=mask,
         position_ids=tree.position_ids,
-        use_cache=False,
-        logits_to_keep=tree.logit_nodes,
     )
-    per_token = out.logits[0][tree.logit_index]
     return response_outputs(
-        per_token, tree, temperature, with_entropy, entropy_grad, labels=tree.labels
+        rows[0][tree.logit_index],
+        tree,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        labels=tree.labels,
+        head=head,
+        chunk_tokens=chunk_tokens,
     )
 
 
