@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 from creditrl.batch import Batch
 from creditrl.config.schema import RewardConfig, RewardModelConfig
 from creditrl.errors import UserCodeError
+from creditrl.models.model_dir import ModelError
 from creditrl.rewards import inprocess, pool, worker
 from creditrl.rewards.manager import RewardManager
 from creditrl.rewards.registry import (
@@ -626,3 +628,16 @@ def test_program_rewards_need_no_data_source_scorer(tok, workers) -> None:
     assert result.scores.tolist() == [0.75, -1.0]
     assert result.extra["reward_status"] == ["ok", "ok"]
     assert result.extra["turns"] == [None, 2]
+
+
+def test_reward_model_directory_passes_the_model_directory_checks(
+    rm_dir: Path, tok, tmp_path: Path
+) -> None:
+    """The reward model's directory is checked like the actor's: pickle weights are one line
+    and never unpickled (before, transformers read pytorch_model.bin)."""
+    hostile = tmp_path / "rm"
+    shutil.copytree(rm_dir, hostile)
+    (hostile / "model.safetensors").unlink()
+    (hostile / "pytorch_model.bin").write_bytes(b"\x80\x04not a real pickle")
+    with pytest.raises(ModelError, match="safetensors"):
+        RewardModelWorker(RewardModelConfig(enable=True, path=str(hostile)), tok)

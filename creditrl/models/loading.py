@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -112,18 +112,21 @@ def load_causal_lm(
 
 
 def from_local(
-    auto_class: type, directory: Path, dtype: torch.dtype, attn_implementation: str
+    auto_class: type,
+    directory: Path,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    **kwargs: Any,
 ) -> PreTrainedModel:
     """``auto_class.from_pretrained`` of a checked ``directory`` (safetensors only, no
-    download) once its parameters fit in memory; what transformers refuses is a ``ModelError``."""
+    download) once its parameters fit in memory; what transformers refuses is a ``ModelError``.
+    ``attn_implementation=None`` leaves transformers' choice; ``kwargs`` go to from_pretrained."""
     check_memory(directory, dtype.itemsize)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     try:
         return auto_class.from_pretrained(
-            str(directory),
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            local_files_only=True,
-            use_safetensors=True,
+            str(directory), dtype=dtype, local_files_only=True, use_safetensors=True, **kwargs
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as err:
         reason = " ".join(str(err).split())[:300]

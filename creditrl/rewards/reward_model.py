@@ -17,6 +17,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from creditrl.batch import Batch
 from creditrl.config.schema import RewardModelConfig
 from creditrl.core import place_sequence_scores
+from creditrl.models.chat_template import check_chat_template
+from creditrl.models.loading import from_local, local_model_dir
 from creditrl.rewards.text import Messages, decode_responses, prompt_messages
 
 __all__ = ["RewardModelWorker"]
@@ -37,20 +39,23 @@ class RewardModelWorker:
     ) -> None:
         if not cfg.path or not Path(cfg.path).is_dir():
             raise FileNotFoundError(f"reward.reward_model.path {cfg.path!r} is not a directory")
+        directory = local_model_dir(cfg.path)
         if cfg.micro_batch_size < 1:
             raise ValueError(f"reward_model.micro_batch_size must be >= 1: {cfg.micro_batch_size}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         try:
-            self.rm_tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+            self.rm_tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError):
             log.warning("no tokenizer in %s; using the policy tokenizer for the RM", cfg.path)
             self.rm_tokenizer = tokenizer
+        else:
+            check_chat_template(self.rm_tokenizer, directory)
         if self.rm_tokenizer.pad_token_id is None:
             self.rm_tokenizer.pad_token = self.rm_tokenizer.eos_token
         self.device = torch.device(device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.path, num_labels=1, dtype=torch.float32
+        self.model = from_local(
+            AutoModelForSequenceClassification, directory, torch.float32, None, num_labels=1
         ).to(self.device)
         self.model.eval()
         if self.model.config.pad_token_id is None:
