@@ -44,8 +44,9 @@ def test_learner_training_half_equals_the_synchronous_trainer(tmp_path: Path, pr
     trainer = RLTrainer(tiny_learner_config(tmp_path / "sync", *extra))
     batch = _groups()
     batch["staleness"] = torch.zeros(len(batch), dtype=torch.long)
+    learner.step = 1
     learned, a = learner.update(copy.deepcopy(batch), {})
-    synced, b = trainer.pipeline.training_half(copy.deepcopy(batch), {}, keep_rollout=True)
+    synced, b = trainer.training.run(copy.deepcopy(batch), 1, {}, keep_rollout=True)
     trainer.close()
     keys = {k for k in a if not k.startswith(VOLATILE)}
     assert keys == {k for k in b if not k.startswith(VOLATILE)}
@@ -90,6 +91,7 @@ def test_async_calculator_agent_uses_tools_and_validates(tmp_path: Path) -> None
         r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     }
     assert "val/score" in steps[0] and "val/score" in steps[1]
+    assert "tools/calls" in steps[1] and "num_turns/mean" in steps[1]  # the learner's, too
     sampler_log = next((out / "samplers").rglob("metrics.jsonl")).read_text().splitlines()
     assert any("tools/calls" in json.loads(line) for line in sampler_log)
     dump = json.loads((out / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])

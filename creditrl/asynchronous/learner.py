@@ -14,7 +14,9 @@ One step, top to bottom (``Learner.fit``):
    but not toward ``max_rejects``: a flood from one peer never disconnects the others);
 2. concatenate the oldest groups into one Batch (``staleness`` per sample) and, with several
    learner ranks, scatter whole groups over torch.distributed;
-3. ``update`` (every rank): ``old_log_probs`` (the behaviour log-probs for on-policy rows,
+3. ``update`` (every rank): the synchronous trainer's training half
+   (``creditrl.pipeline.training_half``: critic warm-up, health check, metrics, agent hook):
+   ``old_log_probs`` (the behaviour log-probs for on-policy rows,
    recomputed under the current policy for stale rows: ``old_log_probs=learner``), reference
    log-probs (unless the sampler sent them), DAPO overlong shaping, KL into rewards, rollout
    importance weights pi_old / pi_behaviour (the staleness correction), group advantages,
@@ -87,15 +89,9 @@ from creditrl.pipeline.step import (
     build_run_datasets,
     rollout_log_probs_are_actors,
 )
+from creditrl.pipeline.training_half import TrainingHalf
 from creditrl.plain_text import as_text
-from creditrl.tracking import (
-    RolloutDumper,
-    Timer,
-    Tracker,
-    compute_data_metrics,
-    compute_timing_metrics,
-    response_info,
-)
+from creditrl.tracking import RolloutDumper, Timer, Tracker
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.workers.hybrid import ADDITIVE_METRICS
 
@@ -164,6 +160,10 @@ class Learner:
         reward = build_reward_manager(cfg, self.tokenizer) if self.val_rows else None
         self.pipeline = StepPipeline(cfg, self.workers, reward, self.tokenizer, algorithm)
         self.algorithm = self.pipeline.algorithm
+        # the synchronous trainer's training half: critic warm-up, health check, metrics, hooks
+        self.training = TrainingHalf(
+            cfg, self.pipeline, self.tokenizer, self.console if self.main else None
+        )
         structured = structured_reward(cfg)
         optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
                     "rm_scores": cfg.reward.reward_model.enable,
@@ -431,9 +431,15 @@ class Learner:
         return torch.zeros(len(batch), dtype=torch.bool)
 
     def update(self, batch: Batch, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
-        """The training half of the step pipeline on this rank's groups; returns the batch
-        with every field it wrote, and the metrics."""
-        return self.pipeline.training_half(batch, timing, keep_rollout=self.keep_rollout(batch))
+        """The training half of step ``self.step`` (``TrainingHalf.run``, as ``creditrl train``
+        runs it) on this rank's groups; returns the batch with every field it wrote, and the
+        metrics. The first-mini-batch check holds when every row's ``old_log_probs`` are this
+        policy's: recomputed here (``old_log_probs=learner``) or from on-policy rows."""
+        on_policy = self.cfg.asynchronous.old_log_probs == "learner" or not bool(
+            batch["staleness"].any()
+        )
+        keep = self.keep_rollout(batch)
+        return self.training.run(batch, self.step, timing, keep_rollout=keep, on_policy=on_policy)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -480,16 +486,13 @@ class Learner:
             self._ack(sampler_id, acks)
         self.counters["trained_groups"] += len(groups)
         timing["step"] = time.perf_counter() - start
-        metrics.update(compute_data_metrics(batch, use_critic=False))
-        metrics.update(compute_timing_metrics(timing, batch))
-        metrics.update(self._async_metrics(full, timing["step"]))
+        metrics.update(self.training.step_metrics(batch, timing, whole=full))
+        metrics.update(self._async_metrics(full))
         self.dumper.dump(batch, self.step)
         self.last_batch = batch
         return metrics
 
-    def _async_metrics(self, full: Batch, seconds: float) -> dict[str, float]:
-        info = response_info(full)
-        tokens = float(info["prompt_length"].sum() + info["response_length"].sum())
+    def _async_metrics(self, full: Batch) -> dict[str, float]:
         metrics = staleness_metrics(full["staleness"])
         metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})
         metrics.update(
@@ -498,9 +501,6 @@ class Learner:
                 "async/buffered_groups": float(len(self.buffer)),
                 "async/buffered_bytes": float(self.buffer.nbytes),
                 "async/samplers": float(len(self.samplers)),
-                "perf/total_num_tokens": tokens,
-                "perf/time_per_step": seconds,
-                "perf/throughput": tokens / seconds if seconds > 0 else float("nan"),
             }
         )
         if self.resume_report and self.step == self.resume_report["step"] + 1:

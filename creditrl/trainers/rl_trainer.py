@@ -28,6 +28,7 @@ from creditrl.pipeline.step import (
     build_run_datasets,
     rollout_log_probs_reusable,
 )
+from creditrl.pipeline.training_half import TrainingHalf
 from creditrl.plain_text import as_text
 from creditrl.preflight import preflight
 from creditrl.tracking import (
@@ -35,14 +36,10 @@ from creditrl.tracking import (
     Timer,
     Tracker,
     TrainingProgress,
-    compute_data_metrics,
-    compute_throughput_metrics,
-    compute_timing_metrics,
 )
-from creditrl.tracking.health import FirstMinibatchMonitor
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.run_lock import RunLock
-from creditrl.workers.placement import check_device, describe, device_type, update_autocast
+from creditrl.workers.placement import check_device, describe, device_type
 from creditrl.workers.precision import autocast_choice
 
 __all__ = ["RLTrainer", "RunSummary"]
@@ -115,8 +112,7 @@ class RLTrainer:
         self.workers = build_worker_group(cfg)
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.pipeline = StepPipeline(cfg, self.workers, self.reward, self.tokenizer)
-        self.use_critic = self.pipeline.plan.needs_critic
-        self.health = FirstMinibatchMonitor.for_autocast(update_autocast(cfg))
+        self.training = TrainingHalf(cfg, self.pipeline, self.tokenizer, self.console)
         self.console.print(as_text(describe(cfg), style="dim"))
         choice = autocast_choice(cfg.actor.autocast, device_type(cfg))
         self.console.print(as_text(choice, style="dim"))
@@ -249,29 +245,15 @@ class RLTrainer:
 
     def train_step(self) -> dict[str, float]:
         """One step: collect -> balance -> training half -> metrics and dump."""
-        cfg, timing = self.cfg, {}
+        timing: dict[str, float] = {}
         start = time.perf_counter()
         batch, metrics = self.collect(timing)
         batch, balance_metrics = self.balance(batch)
         metrics.update(balance_metrics)
-        batch, update = self.pipeline.training_half(
-            batch,
-            timing,
-            keep_rollout=self.keep_rollout,
-            update_actor=self.step > cfg.trainer.critic_warmup or not self.use_critic,
-        )
+        batch, update = self.training.run(batch, self.step, timing, keep_rollout=self.keep_rollout)
         metrics.update(update)
-        warning = self.health.check(metrics)
-        if warning:
-            self.console.print("[yellow]warning:[/yellow]", as_text(warning))
         timing["step"] = time.perf_counter() - start
-        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
-        metrics.update(compute_timing_metrics(timing, batch))
-        metrics.update(compute_throughput_metrics(timing, batch))
-        if cfg.agent.enable:
-            from creditrl.agents.hooks import after_step
-
-            metrics.update(after_step(batch, self.tokenizer, cfg.agent))
+        metrics.update(self.training.step_metrics(batch, timing))
         self.dumper.dump(batch, self.step)
         self.sampler.update(batch)
         self.last_batch = batch

@@ -1,0 +1,131 @@
+"""One loop: the async learner runs the synchronous trainer's training half
+(creditrl.pipeline.training_half.TrainingHalf): the critic warm-up, the first-mini-batch health
+check, the data metrics with the critic's, and the agent metrics hook."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from helpers import model_group, tiny_learner_config, tiny_trainer_config
+
+from creditrl.asynchronous.learner import Learner
+from creditrl.asynchronous.messages import decode, episodes_message
+from creditrl.batch import Batch
+from creditrl.models import load_causal_lm
+from creditrl.models.tiny import tiny_model_dir
+from creditrl.trainers.rl_trainer import RLTrainer
+
+# the keys the training half writes (the generation half's rollout/reward keys aside)
+TRAINING_HALF = ("actor/", "critic/", "health/", "response_length/", "prompt_length/")
+KL_IN_REWARD = {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"}
+PPO = ("preset=ppo", "critic.ppo_mini_batch_size=2", "asynchronous.old_log_probs=sampler",
+       "asynchronous.ref_on=learner")  # fmt: skip
+
+
+class StandInSocket:
+    """Takes what the learner sends; nothing arrives."""
+
+    address = "stand-in"
+
+    def send(self, sampler_id: str, frames: list[bytes]) -> bool:
+        return True
+
+    def recv(self, timeout_s: float) -> None:
+        return None
+
+
+def _learner(out: Path, *extra: str) -> Learner:
+    learner = Learner(tiny_learner_config(out, *extra))
+    learner.socket = StandInSocket()
+    return learner
+
+
+def _deliver(learner: Learner, groups: list[Batch]) -> None:
+    for group in groups:
+        sampler_id, seq = group["sampler_id"][0], int(group["episode_id"][0].split(":")[1])
+        assert learner._handle(sampler_id, decode(episodes_message(sampler_id, seq, group))) == 1
+
+
+def _groups(first_seq: int, version: int) -> list[Batch]:
+    model = load_causal_lm(tiny_model_dir())
+    return [
+        model_group(model, "s0", first_seq + k, version, ((1.0, 0.0), (0.0, 1.0))[k])
+        for k in range(2)
+    ]
+
+
+def _step(learner: Learner, groups: list[Batch]) -> dict[str, float]:
+    _deliver(learner, groups)
+    learner.step += 1
+    return learner.train_step()
+
+
+def test_async_ppo_critic_warmup_updates_only_the_critic_first(tmp_path: Path) -> None:
+    """trainer.critic_warmup=1: step 1 trains the critic alone (the actor's weights and actor/*
+    metrics unchanged/absent), step 2 trains both; critic/* metrics every step (the learner
+    used to update the actor from step 1 and log no critic/values)."""
+    learner = _learner(tmp_path, *PPO, "trainer.critic_warmup=1", "trainer.total_steps=2")
+    actor = learner.actor.model
+    before = copy.deepcopy(actor.state_dict())
+    critic = copy.deepcopy(learner.workers.worker.critic.model.state_dict())
+    first = _step(learner, _groups(0, 0))
+    # the KL-in-reward stage's actor/reward_kl_penalty* only: no update metric
+    assert {k for k in first if k.startswith("actor/")} <= KL_IN_REWARD
+    for name, value in actor.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    moved = learner.workers.worker.critic.model.state_dict()
+    assert any(not torch.equal(moved[k], v) for k, v in critic.items())
+    second = _step(learner, _groups(2, learner.version))
+    learner.publisher.wait()
+    assert "actor/pg_loss" in second
+    assert any(not torch.equal(v, before[k]) for k, v in actor.state_dict().items())
+    for metrics in (first, second):
+        assert {"critic/vf_loss", "critic/values/mean", "critic/vf_explained_var"} <= set(metrics)
+
+
+def test_async_ppo_logs_the_training_half_keys_of_the_synchronous_trainer(tmp_path: Path) -> None:
+    """A PPO step of the learner logs the same actor/critic/health/length keys as a PPO step
+    of `creditrl train` (before: no critic/values/*, no critic/vf_explained_var, no
+    health/first_minibatch_alarm)."""
+    trainer = RLTrainer(tiny_trainer_config(tmp_path / "sync", *PPO))
+    try:
+        trainer.step = 1
+        sync = trainer.train_step()
+    finally:
+        trainer.close()
+    learner = _learner(tmp_path / "async", *PPO)
+    mine = _step(learner, _groups(0, 0))
+    learner.publisher.wait()
+    wanted = {k for k in sync if k.startswith(TRAINING_HALF)}
+    assert "critic/values/mean" in wanted and "health/first_minibatch_alarm" in wanted
+    assert {k for k in mine if k.startswith(TRAINING_HALF)} == wanted
+
+
+def _agent_group(group: Batch) -> Batch:
+    """``group`` as the calculator agent's sampler sends it: turns, tool calls, agent info and
+    the structured reward's parts."""
+    n = len(group)
+    group["turn_ids"] = group["response_mask"].clone()
+    group["num_turns"] = torch.ones(n, dtype=torch.long)
+    call = {"turn": 1, "name": "calculator", "arguments": {"expression": "1+2"},
+            "status": "ok", "output": "3", "seconds": 0.01}  # fmt: skip
+    group["tool_calls"] = [[call]] + [[] for _ in range(n - 1)]
+    group["agent_info"] = [{"stop_reason": "answer", "num_turns": 1, "observation_tokens": 0}] * n
+    group["turn_scores"] = torch.zeros(n)
+    group["global_scores"] = group["token_level_scores"].sum(-1)
+    return group
+
+
+def test_async_agent_run_logs_tools_and_agent_metrics_for_training_steps(tmp_path: Path) -> None:
+    """`creditrl async preset=calculator_agent`: the learner's training steps log tools/*,
+    num_turns/*, agent/* and tokenization/* (the synchronous loop's agent hook), and the rollout
+    dump carries the drift reports; before, only validation's val/agent/* were logged."""
+    learner = _learner(tmp_path, "preset=calculator_agent", "trainer.test_freq=0")
+    metrics = _step(learner, [_agent_group(g) for g in _groups(0, 0)])
+    learner.publisher.wait()
+    assert metrics["tools/calls"] == 2.0 and metrics["tools/success_rate"] == 1.0
+    assert metrics["num_turns/mean"] == 1.0 and metrics["agent/stop_answer"] == 1.0
+    assert "tokenization/retokenize_mismatch_rate" in metrics
+    assert "trajectory_score" in learner.last_batch
