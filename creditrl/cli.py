@@ -97,19 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         console = Console(width=160, highlight=False, emoji=False)
-    if getattr(args, "handler", None) is not None:
-        return int(args.handler(args, console))
-    config_file, overrides = _split_args(args.args)
     try:
+        if getattr(args, "handler", None) is not None:
+            return int(args.handler(args, console))
+        config_file, overrides = _split_args(args.args)
         if getattr(args, "doc", None) is not None or getattr(args, "markdown", False):
             return _doc(args, console)
         return _run(args.command, config_file, overrides, console)
     except UserError as err:
         print_error(console, err)
         return 2
+    except OSError as err:
+        if err.filename is None:
+            raise
+        print_error(console, path_error(err))
+        return 2
     except KeyboardInterrupt:
         print_warning(console, "interrupted")
         return 130
+
+
+def path_error(err: OSError) -> str:
+    """One line for a path the system refused (a name too long, no permission, a full disk):
+    the path and the system's reason; the paths come from the user's arguments or config."""
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    return f"cannot use {paths}: {err.strerror or err}"
 
 
 def _doc(args: argparse.Namespace, console: Console) -> int:

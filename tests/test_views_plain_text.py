@@ -279,3 +279,22 @@ def test_a_failed_childs_last_lines_are_shown_as_text(text: str) -> None:
     print_tail(console, f"learner-{text}", [f"line {text}"])
     assert_shown(console.file.getvalue(), f"last 1 line(s) of learner-{text}:")
     assert_shown(console.file.getvalue(), f"| line {text}")
+
+
+def test_a_long_explain_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """rich wraps at the console's width (160 columns when not a terminal) unless told not to."""
+    missing = tmp_path / ("d" * 200) / ("e" * 200)
+    assert main(["explain", str(missing)]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(missing) in lines[0]
+
+
+@pytest.mark.parametrize("command", ["explain", "report", "eval"])
+def test_a_path_the_system_refuses_is_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A name longer than the file system allows was an OSError traceback in every command."""
+    too_long = tmp_path / ("d" * 300)
+    assert main([command, str(too_long)]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and "File name too long" in lines[0] and str(too_long) in lines[0]

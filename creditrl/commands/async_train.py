@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         check_async_config(cfg)
         notes = preflight(cfg)  # user code, data files and scorers, before any process starts
     except (UserError, ValueError) as err:
-        console.print("[red]error:[/red]", as_text(err))
+        console.print("[red]error:[/red]", as_text(err), soft_wrap=True)
         return 2
     for line in warnings:
         console.print("[yellow]warning:[/yellow]", as_text(line))

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             path = write_html(views, args.html, args.color_by)
             console.print("wrote", as_text(path))
     except (ValueError, FileNotFoundError, KeyError, ConfigError) as err:
-        console.print("[red]explain:[/red]", as_text(err))
+        console.print("[red]explain:[/red]", as_text(err), soft_wrap=True)
         return 2
     return 0
 
