@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from dataclasses import replace
 
@@ -169,6 +170,10 @@ def test_unsupported_or_missing_file(tmp_path):
         read_rows(tmp_path / "x.csv")
     with pytest.raises(DataError, match=r"^data\.val_files: .*nope\.jsonl does not exist$"):
         read_rows(tmp_path / "nope.jsonl", "data.val_files")
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"pipe\.jsonl is not a regular file$"):
+        read_rows(fifo, "data.train_files")
 
 
 # ---- PromptDataset ---------------------------------------------------------------------------

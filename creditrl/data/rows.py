@@ -194,7 +194,8 @@ def _check_path(path: str, key: str) -> None:
             f"{key}: {path}: unsupported data file type {suffix!r}; use .jsonl or .parquet"
         )
     if not os.path.isfile(path):
-        raise DataError(f"{key}: {path} does not exist")
+        what = "is not a regular file" if os.path.exists(path) else "does not exist"
+        raise DataError(f"{key}: {path} {what}")
 
 
 def read_rows(
