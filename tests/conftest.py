@@ -1,5 +1,6 @@
 """Fixtures shared by the rollout-engine tests (HF and vLLM): the real tokenizer and a tiny
-random Llama whose logits are spread enough (initializer_range 0.2) for sampling to vary."""
+random Llama whose logits are spread enough (initializer_range 0.2) for sampling to vary; and,
+for every test, the CPU as ``trainer.device=auto``'s answer unless the test is marked gpu."""
 
 import pytest
 import torch
@@ -7,6 +8,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.models.tokenizer import load_tokenizer
+from creditrl.workers import placement
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request, monkeypatch) -> None:
+    """Outside the tests marked ``gpu``, ``trainer.device=auto`` sees no CUDA: the suite runs
+    (and its figures hold) on the CPU on a GPU machine too."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(placement, "cuda_visible", lambda: False)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from creditrl.cli import main
 from creditrl.errors import ConfigError
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.rl_trainer import RLTrainer
+from creditrl.workers import placement
 from creditrl.workers.device_memory import DeviceMemoryError
 from creditrl.workers.hybrid import HybridWorker
 from creditrl.workers.placement import check_device, describe, placement_for, to_cpu
@@ -40,7 +41,7 @@ def test_cuda_without_cuda_is_one_line(
 ) -> None:
     """``creditrl train`` asking for CUDA on a machine without it exits 2 with one line naming
     the key, before any model is loaded or Ray is started."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "cuda_visible", lambda: False)
     args = [f"model.path={tiny_model_dir()}", f"trainer.output_dir={tmp_path / 'run'}"]
     code = main(["train", *args, *overrides])
     out = capsys.readouterr()
@@ -66,10 +67,10 @@ def test_device_settings_that_contradict_each_other(tmp_path: Path) -> None:
 
 def test_auto_is_cpu_without_cuda(tmp_path: Path, monkeypatch) -> None:
     """``auto`` takes the CPU (gloo) where CUDA is not visible; the start-up line says so."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "cuda_visible", lambda: False)
     cfg = tiny_trainer_config(tmp_path, "trainer.device=auto")
-    placement = placement_for(cfg)
-    assert (placement.device, placement.backend, placement.autocast) == (
+    resolved = placement_for(cfg)
+    assert (resolved.device, resolved.backend, resolved.autocast) == (
         torch.device("cpu"),
         "gloo",
         "none",
@@ -85,8 +86,8 @@ def test_auto_is_cpu_without_cuda(tmp_path: Path, monkeypatch) -> None:
 def test_batches_move_once() -> None:
     """A batch already on the device is passed through as it is; ``to_cpu`` likewise."""
     batch = Batch.from_dict({"x": torch.zeros(2, 3)})
-    placement = placement_for(tiny_trainer_config(Path("unused"), "trainer.device=cpu"))
-    assert placement.to_device(batch) is batch and to_cpu(batch) is batch
+    cpu = placement_for(tiny_trainer_config(Path("unused"), "trainer.device=cpu"))
+    assert cpu.to_device(batch) is batch and to_cpu(batch) is batch
 
 
 def _devices(values) -> set[torch.device]:
@@ -211,7 +212,7 @@ def test_async_commands_refuse_cuda_without_cuda(
 ) -> None:
     """``creditrl async`` (before any process starts) and a learner rank (before it joins its
     process group) refuse ``trainer.device=cuda`` without CUDA in one line, exit 2."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "cuda_visible", lambda: False)
     args = [f"model.path={tiny_model_dir()}", f"trainer.output_dir={tmp_path / 'run'}"]
     code = main([command, *args, "trainer.device=cuda"])
     out = capsys.readouterr()

@@ -30,6 +30,7 @@ __all__ = [
     "DEVICE_CHOICES",
     "Placement",
     "check_device",
+    "cuda_visible",
     "describe",
     "device_type",
     "placement_for",
@@ -82,6 +83,12 @@ def to_cpu(batch: Batch) -> Batch:
     return batch.to("cpu")
 
 
+def cuda_visible() -> bool:
+    """Whether this process sees a CUDA device (what ``auto`` asks; the test suite outside its
+    ``gpu`` tests answers False here, so its figures are the CPU's on any machine)."""
+    return torch.cuda.is_available()
+
+
 def _external_ray(cfg: Any) -> bool:
     """True when the Ray workers run on a cluster the user names (not this machine)."""
     return cfg.trainer.backend == "ray" and bool(
@@ -96,7 +103,7 @@ def device_type(cfg: Any) -> str:
         return trainer.device
     if trainer.backend == "ray":
         return "cuda" if trainer.ray.gpus_per_worker > 0 else "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_visible() else "cpu"
 
 
 def _problem(cfg: Any, here: bool) -> str | None:
@@ -115,7 +122,7 @@ def _problem(cfg: Any, here: bool) -> str | None:
             f"trainer.ray.gpus_per_worker={gpus:g} reserves GPUs that trainer.device=cpu leaves "
             "unused: set trainer.ray.gpus_per_worker=0 or trainer.device=auto"
         )
-    if not here or (device_type(cfg) != "cuda" and gpus <= 0) or torch.cuda.is_available():
+    if not here or (device_type(cfg) != "cuda" and gpus <= 0) or cuda_visible():
         return None
     if device == "cuda":
         return (
