@@ -3,7 +3,10 @@ failure is a scored, counted episode, never the end of a run."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -141,3 +144,225 @@ def tok():
     from creditrl.models.tiny import tiny_model_dir
 
     return load_tokenizer(tiny_model_dir())
+
+
+# ---- isolation: each episode on its own thread, timed out whatever it does -----------------
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    from creditrl.workers.hybrid import HybridWorker
+
+    w = HybridWorker(program_config(tmp_path_factory.mktemp("w"), "two_turns"))
+    assert statuses(run_program(w, "two_turns")) == ["ok"] * 4  # warm: imports, first clients
+    yield w
+    w.rollout.close()
+
+
+def two_questions(worker) -> Batch:
+    """Two chat prompts, each twice, with their messages as the dataset gives them."""
+    tok = worker.tokenizer
+    chats = [[{"role": "user", "content": q}] for q in ("What is 3 + 4?", "Name a colour.")]
+    rows = [
+        tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + list(r) for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    batch = Batch({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": chats,
+                  "data_source": ["toy"] * 2, "ground_truth": ["7", "red"]})  # fmt: skip
+    return batch.repeat(2, interleave=True)
+
+
+def run_program(worker, name: str, timeout_s: float = 120) -> Batch:
+    """Program ``name`` of tests/programs/agents.py on two questions, each twice, with
+    agent.episode_timeout_s=``timeout_s``."""
+    rollout = worker.rollout
+    rollout.program = rollout.program.__globals__[name]
+    rollout.cfg.episode_timeout_s = timeout_s
+    return rollout.generate(two_questions(worker), seed=1)
+
+
+def statuses(batch: Batch) -> list[str]:
+    return [info["episode"] for info in batch["agent_info"]]
+
+
+def test_a_blocking_program_stops_neither_the_endpoint_nor_the_other_episodes(
+    worker, monkeypatch
+) -> None:
+    """Two episodes block their threads past agent.episode_timeout_s: the other two are
+    answered meanwhile; the blocked ones are abandoned ("timeout", the fallback score) and
+    their requests after unblocking refused (404: their run is over). While abandoned threads
+    are at the cap, new episodes are not started (counted, scored the fallback)."""
+    from creditrl.agents import episodes
+
+    program = worker.rollout.program.__globals__
+    program["RELEASE"].clear()
+    events = program["EVENTS"]
+    events.clear()
+    try:
+        batch = run_program(worker, "blocks_on_seven", timeout_s=15)
+        assert events == ["answered", "answered"]  # while the other two were still blocked
+        assert statuses(batch) == ["timeout", "timeout", "ok", "ok"]
+        assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0, -1.0, 1.0, 1.0]
+        assert "abandoned" in batch["agent_info"][0]["episode_error"]
+        assert episodes.abandoned_threads() == 2
+        monkeypatch.setattr(episodes, "MAX_ABANDONED", 2)
+        batch = run_program(worker, "two_turns")
+        assert statuses(batch) == ["not_started"] * 4
+        assert batch["num_turns"].tolist() == [0] * 4
+        assert worker.rollout.last_metrics["agent/episodes_not_started"] == 4
+    finally:
+        program["RELEASE"].set()
+    for _ in range(200):  # the released threads ask again, are refused, and end
+        if episodes.abandoned_threads() == 0:
+            break
+        threading.Event().wait(0.05)
+    assert sorted(events[2:]) == ["refused 404", "refused 404", "unblocked", "unblocked"]
+    assert episodes.abandoned_threads() == 0
+
+
+def test_a_program_that_catches_the_timeout_is_abandoned(worker) -> None:
+    """The timeout's cancellation caught and ignored: "timeout" all the same, not "ok"."""
+    from creditrl.agents import episodes
+
+    batch = run_program(worker, "swallows_cancel", timeout_s=1)
+    assert statuses(batch) == ["timeout"] * 4
+    for _ in range(200):  # its event loop was told to stop: the threads end
+        if episodes.abandoned_threads() == 0:
+            break
+        threading.Event().wait(0.05)
+    assert episodes.abandoned_threads() == 0
+
+
+@pytest.mark.parametrize(
+    "name,status,error",
+    [
+        ("exits", "exit", "SystemExit: 3"),
+        ("interrupts", "interrupted", "KeyboardInterrupt"),
+        ("cancels", "cancelled", "CancelledError"),
+        ("huge_reward", "bad_reward", "out of the float range"),
+        ("nan_reward", "bad_reward", "not finite"),
+    ],
+)
+def test_base_exceptions_and_bad_rewards_are_counted_statuses(
+    worker, name: str, status: str, error: str
+) -> None:
+    """SystemExit, KeyboardInterrupt and CancelledError raised by a program, and a reward of
+    10**400 or nan, are statuses of their episode (scored the fallback); the next batch runs."""
+    batch = run_program(worker, name)
+    assert statuses(batch) == [status] * 4
+    assert error in batch["agent_info"][0]["episode_error"]
+    assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0] * 4
+    assert worker.rollout.last_metrics[f"agent/episodes_{status}"] == 4
+    assert statuses(run_program(worker, "two_turns")) == ["ok"] * 4
+
+
+# ---- the endpoint bounds what it serves -----------------------------------------------------
+
+
+def test_bad_request_content_is_a_counted_400_never_a_500(worker) -> None:
+    """tools=5, content or role or name of the wrong type, no messages and a lone surrogate:
+    each an OpenAI-style 400, counted; the episode goes on to a good request."""
+    program = worker.rollout.program.__globals__
+    program["BAD_REQUESTS"].clear()
+    endpoint = worker.rollout._endpoint()
+    before = sum(endpoint.refused.values())
+    batch = run_program(worker, "sends_bad_requests")
+    assert statuses(batch) == ["ok"] * 4
+    got = {(what, status, code) for what, status, code in program["BAD_REQUESTS"]}
+    assert got == {
+        ("tools=5", 400, "bad_request"),
+        ("content=5", 400, "bad_request"),
+        ("role=1", 400, "bad_request"),
+        ("name=5", 400, "bad_request"),
+        ("no messages", 400, "bad_request"),
+        ("lone surrogate", 400, "bad_json"),
+    }
+    assert sum(endpoint.refused.values()) == before + 6 * 4
+    assert endpoint.refused["internal_error"] == 0
+
+
+def test_after_recording_stops_the_episode_stays_within_its_budget(worker) -> None:
+    """History rewritten after the first reply: later requests are still generated, but all
+    an episode generates stays within rollout.max_response_length=24 (then budget_exhausted),
+    and a context past data.max_prompt_length + rollout.max_response_length is refused."""
+    program = worker.rollout.program.__globals__
+    program["SPENT"].clear()
+    batch = run_program(worker, "keeps_asking")
+    assert statuses(batch) == ["ok"] * 4
+    spent = program["SPENT"]
+    assert sum(tokens for _, tokens in spent) <= 24 * 4
+    codes = [code for code, _ in spent]
+    assert codes.count("budget_exhausted") >= 4 and codes.count("context_too_long") == 4
+    assert set(codes) == {"ok", "budget_exhausted", "context_too_long"}
+
+
+def _raw(port: int, data: bytes) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(data)
+    return conn
+
+
+def _closed(conn: socket.socket) -> bool:
+    conn.settimeout(0.01)
+    try:
+        return conn.recv(65536) == b"" or _closed(conn)
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_half_open_connections_are_timed_out_and_limited() -> None:
+    """Connections without the key that send half a request: at most max_connections are
+    open (the oldest dropped for a new one), each closed after idle_timeout_s, and a keyed
+    request still gets through; a keyed body that never arrives is answered 408."""
+    from creditrl.agents.endpoint import Endpoint
+
+    async def handler(trajectory, body):
+        return {}
+
+    endpoint = Endpoint(handler, lambda t: True, "m", max_connections=4, idle_timeout_s=3.0)
+    endpoint.start()
+    try:
+        head = b"POST /t/x/v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
+        half = [_raw(endpoint.port, head) for _ in range(12)]
+        for _ in range(200):  # accepted together, before the limit applies (BACKLOG)
+            if len(endpoint._runner.server.connections) == 12:
+                break
+            threading.Event().wait(0.05)
+        keyed = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=30)
+        keyed.request("GET", "/v1/models", headers={"Authorization": f"Bearer {endpoint.key}"})
+        assert keyed.getresponse().status == 200
+        alive = [c for c in endpoint._runner.server.connections if not c.transport.is_closing()]
+        assert len(alive) <= 4
+        assert endpoint.refused["connection_dropped"] >= 1  # the rest timed out meanwhile
+        slow = _raw(endpoint.port, b"POST /t/x/v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
+                    b"Authorization: Bearer " + endpoint.key.encode() +
+                    b"\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+        slow.settimeout(30)
+        assert slow.recv(65536).startswith(b"HTTP/1.1 408")
+        for _ in range(300):
+            if all(_closed(c) for c in half):
+                break
+            threading.Event().wait(0.05)
+        assert all(_closed(c) for c in half)
+    finally:
+        endpoint.close()
+
+
+def test_a_port_in_use_is_one_line_naming_the_key() -> None:
+    from creditrl.agents.endpoint import Endpoint
+    from creditrl.errors import ConfigError
+
+    async def handler(trajectory, body):
+        return {}
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        endpoint = Endpoint(handler, lambda t: True, "m", port=port)
+        with pytest.raises(ConfigError, match=rf"agent\.endpoint_port={port}: .*in use"):
+            endpoint.start()

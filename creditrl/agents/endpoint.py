@@ -9,11 +9,22 @@ wrong key, an unknown trajectory, an oversized or malformed body or an option th
 honour gets an OpenAI-style error (``{"error": {"message", "type", "code"}}``) and is counted
 in ``refused``. A chat completion is answered by ``handler(trajectory, body)``, a coroutine the
 program rollout supplies.
+
+Connections are bounded: one that sends no complete request head within ``idle_timeout_s`` (or
+stays idle that long between requests) is closed, a body not received within ``idle_timeout_s``
+is refused (408), and at most ``max_connections`` are open: past it, the oldest connections
+that have not shown the key are dropped for a new one, and a new one is refused when every open
+connection has shown it (``refused["connection_dropped"]``, ``refused["connection_refused"]``).
+The limit is applied as each connection is accepted, to those already set up, so one burst of
+at most ``BACKLOG`` connections accepted together may pass it until the next accept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import json
+import logging
 import secrets
 import threading
 from collections import Counter
@@ -23,11 +34,17 @@ from typing import Any
 from aiohttp import web
 
 from creditrl.bounded_json import JsonLimits, loads_bounded
+from creditrl.errors import ConfigError
 
 __all__ = ["MAX_BODY_BYTES", "REQUEST_LIMITS", "Endpoint", "EndpointError"]
 
+log = logging.getLogger(__name__)
+
 MAX_BODY_BYTES = 4 << 20  # one request: the whole conversation so far, as JSON
 REQUEST_LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_depth=32, max_items=200_000)
+IDLE_TIMEOUT_S = 30.0  # a request head, a body, or the wait between requests
+MAX_HEAD_BYTES = 8190  # one request line or header field
+BACKLOG = 64  # connections waiting to be accepted (and accepted at once before the limit applies)
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -46,9 +63,17 @@ def _error(err: EndpointError) -> web.Response:
     return web.json_response(body, status=err.status)
 
 
+class _Refuse(asyncio.Protocol):
+    """A connection over the limit: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
 class Endpoint:
     """The server; ``start()`` binds ``host:port`` (0: a free port) and serves on a daemon
-    thread until ``close()``. ``known(trajectory)`` says which trajectory ids are live."""
+    thread until ``close()``. ``known(trajectory)`` says which trajectory ids are live;
+    ``max_connections`` and ``idle_timeout_s`` bound the connections (module docstring)."""
 
     def __init__(
         self,
@@ -57,6 +82,9 @@ class Endpoint:
         model_name: str,
         host: str = "127.0.0.1",
         port: int = 0,
+        *,
+        max_connections: int = 64,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.handler = handler
         self.known = known
@@ -66,28 +94,70 @@ class Endpoint:
         self.key = secrets.token_urlsafe(24)
         self.refused: Counter[str] = Counter()
         self.requests = 0
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._keyed: set[Any] = set()  # connections (protocols) that have shown the key
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def base_url(self, trajectory: str) -> str:
         """The OpenAI base URL of one trajectory."""
-        return f"http://{self.host}:{self.port}/t/{trajectory}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/t/{trajectory}/v1"
 
     def start(self) -> None:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(timeout=30)
+        except BaseException:
+            self.close()
+            raise
 
     async def _serve(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard])
         app.router.add_post("/t/{trajectory}/v1/chat/completions", self._completions)
         app.router.add_get("/t/{trajectory}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.idle_timeout_s,
+            lingering_time=1.0,
+            max_line_size=MAX_HEAD_BYTES,
+            max_field_size=MAX_HEAD_BYTES,
+            shutdown_timeout=5.0,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            self._server = await self.loop.create_server(
+                self._accept, self.host, self.port, backlog=BACKLOG
+            )
+        except OSError as e:
+            why = "it is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            raise ConfigError(
+                f"agent.endpoint_port={self.port}: the endpoint cannot listen on "
+                f"{self.host}:{self.port} ({why}); choose another port, or 0 for a free one"
+            ) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        """A new connection's protocol, within ``max_connections`` (module docstring)."""
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        open_now = [c for c in server.connections if c.transport and not c.transport.is_closing()]
+        self._keyed &= set(open_now)
+        excess = len(open_now) + 1 - self.max_connections
+        for conn in [c for c in open_now if c not in self._keyed][: max(excess, 0)]:
+            conn.force_close()
+            self.refused["connection_dropped"] += 1
+            excess -= 1
+        if excess > 0:
+            self.refused["connection_refused"] += 1
+            return _Refuse()
+        return server()
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -97,6 +167,7 @@ class Endpoint:
                 raise EndpointError(
                     401, "invalid API key", "invalid_request_error", "invalid_api_key"
                 )
+            self._keyed.add(request.protocol)
             return await handler(request)
         except EndpointError as err:
             self.refused[err.code] += 1
@@ -108,6 +179,13 @@ class Endpoint:
         except web.HTTPNotFound:
             self.refused["not_found"] += 1
             return _error(EndpointError(404, "no such route", "invalid_request_error", "not_found"))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # a failure of ours: one line, never a traceback per request
+            self.refused["internal_error"] += 1
+            log.warning("endpoint: %s: %s", type(e).__name__, str(e)[:200])
+            message = "the endpoint failed on this request"
+            return _error(EndpointError(500, message, "server_error", "internal_error"))
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "creditrl"}
@@ -115,7 +193,13 @@ class Endpoint:
 
     async def _completions(self, request: web.Request) -> web.Response:
         trajectory = request.match_info["trajectory"]
-        raw = await request.read()  # at most MAX_BODY_BYTES, else HTTPRequestEntityTooLarge
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                raw = await request.read()  # at most MAX_BODY_BYTES, else 413
+        except TimeoutError:
+            request.protocol.close()  # after this answer
+            message = f"the body did not arrive within {self.idle_timeout_s:g} s"
+            raise EndpointError(408, message, "invalid_request_error", "request_timeout") from None
         if not self.known(trajectory):
             message = f"unknown trajectory {trajectory[:64]!r} (its episode has ended?)"
             raise EndpointError(404, message, "invalid_request_error", "unknown_trajectory")
@@ -127,14 +211,18 @@ class Endpoint:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             message = "the body needs a 'messages' list"
             raise EndpointError(400, message, "invalid_request_error", "bad_request")
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            message = "the body holds a string that is not valid Unicode (a lone surrogate)"
+            raise EndpointError(400, message, "invalid_request_error", "bad_json") from None
         self.requests += 1
         return web.json_response(await self.handler(trajectory, body))
 
-    def run(self, coro: Awaitable[Any]) -> Any:
-        """Run ``coro`` on the endpoint's loop; the concurrent future of its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
     def close(self) -> None:
+        if self._server is not None:
+            self.loop.call_soon_threadsafe(self._server.close)
+            self._server = None
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
             self._runner = None

@@ -18,7 +18,9 @@ text re-encoded; it keeps the token ids it generated and appends only what is ne
    its own rendering and never trained on as if it were the same sequence.
 
 The new turn is generated from the recorded ids by the rollout engine and appended with
-``response_mask`` 1 and its sampling log-probs.
+``response_mask`` 1 and its sampling log-probs. Once recording has ended, what is generated
+still counts against the budget (``unrecorded``), so an episode never generates more than
+``rollout.max_response_length`` tokens in all.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Transcript:
     drift: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""
     requests: int = 0
+    unrecorded: int = 0
 
     @property
     def recording(self) -> bool:
@@ -155,14 +158,15 @@ class Transcript:
             self.drift.append({"turn": self.turn, **found.as_dict(("recorded", "rendered"))})
 
     def room(self) -> int:
-        """Response tokens the trajectory may still take."""
-        if self.trajectory is None:
-            return self.budget
-        return self.budget - len(self.trajectory.response_ids)
+        """Tokens the episode may still have generated: the budget less the recorded response
+        and what was generated after recording ended (``unrecorded``)."""
+        recorded = 0 if self.trajectory is None else len(self.trajectory.response_ids)
+        return self.budget - recorded - self.unrecorded
 
     def record(self, out: TurnOutput, text: str) -> None:
         """Append a generated turn (``text``: the reply content the endpoint returns)."""
         if not self.recording or self.trajectory is None:
+            self.unrecorded += len(out.ids)
             return
         self.turn += 1
         traj = self.trajectory
