@@ -255,3 +255,31 @@ def test_out_of_memory_is_one_line_naming_the_stage(
     assert "\n" not in message
     assert message.startswith(f"out of memory on cpu in stage {stage} (CUDA out of memory.")
     assert all(key in message for key in keys), message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_CUDA, reason="no CUDA device visible")
+def test_cuda_computes_the_cpu_log_probs_and_values(tmp_path: Path) -> None:
+    """The same tiny weights give the same log-probs and values on CUDA as on the CPU (float32,
+    within 1e-4): a CPU PPO step's recorded old_log_probs and values (taken before its update)
+    against a fresh CUDA worker's."""
+    cpu = RLTrainer(
+        tiny_trainer_config(
+            tmp_path / "cpu",
+            "preset=ppo",
+            "trainer.device=cpu",
+            "trainer.total_steps=1",
+            "trainer.val_before_train=false",
+        )
+    )
+    cpu.fit()
+    batch = cpu.last_batch
+    cuda = HybridWorker(tiny_trainer_config(tmp_path / "cuda", "preset=ppo", "trainer.device=cuda"))
+    mask = batch["response_mask"].bool()
+    log_probs = cuda.compute_log_prob(batch, temperature=cpu.cfg.rollout.temperature)
+    values = cuda.compute_values(batch)
+    assert log_probs["old_log_probs"].device.type == "cpu"
+    torch.testing.assert_close(
+        log_probs["old_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(values["values"][mask], batch["values"][mask], atol=1e-4, rtol=0)
