@@ -366,3 +366,19 @@ def test_a_port_in_use_is_one_line_naming_the_key() -> None:
         endpoint = Endpoint(handler, lambda t: True, "m", port=port)
         with pytest.raises(ConfigError, match=rf"agent\.endpoint_port={port}: .*in use"):
             endpoint.start()
+
+
+@pytest.mark.parametrize("host", ["", "0.0.0.0", "::", "10.0.0.1", "example.org"])
+def test_a_non_loopback_endpoint_host_needs_the_opt_in(tmp_path: Path, host: str) -> None:
+    """'' and 0.0.0.0 would serve every interface in plain HTTP: refused at config load in
+    one line naming the key, unless agent.endpoint_allow_remote=true."""
+    from creditrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"agent\.endpoint_host=.* not a loopback address"):
+        program_config(tmp_path, "two_turns", f"agent.endpoint_host='{host}'")
+    cfg = program_config(
+        tmp_path, "two_turns", f"agent.endpoint_host='{host}'", "agent.endpoint_allow_remote=true"
+    )
+    assert cfg.agent.endpoint_host == host
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        assert program_config(tmp_path, "two_turns", f"agent.endpoint_host={loopback}")

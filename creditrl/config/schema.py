@@ -565,6 +565,8 @@ class AgentConfig:
     """agent.program: the address the OpenAI-compatible endpoint binds (loopback by default)."""
     endpoint_port: int = field(default=0, metadata=meta(range=PORT))
     """agent.program: the endpoint's port; 0: a free one."""
+    endpoint_allow_remote: bool = False
+    """agent.program: let agent.endpoint_host be a non-loopback address (plain HTTP)."""
 
 
 @dataclass

@@ -201,10 +201,25 @@ def _check_batches(cfg: Config, section: str) -> None:
         )
 
 
+def _check_endpoint_host(cfg: Config) -> None:
+    """agent.endpoint_host is a loopback address unless agent.endpoint_allow_remote=true (the
+    endpoint speaks plain HTTP; '' and 0.0.0.0 would serve every interface)."""
+    from creditrl.asynchronous.transport import is_loopback
+
+    host = cfg.agent.endpoint_host
+    if not is_loopback(host) and not cfg.agent.endpoint_allow_remote:
+        raise ConfigError(
+            f"agent.endpoint_host={host!r} is not a loopback address: the endpoint serves plain "
+            "HTTP (the run's key in clear) on it; use 127.0.0.1, or set "
+            "agent.endpoint_allow_remote=true"
+        )
+
+
 def _check_combinations(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
     if cfg.agent.program is not None and not cfg.agent.enable:
         raise ConfigError("agent.program needs agent.enable=true (it runs multi-turn episodes)")
+    _check_endpoint_host(cfg)
     _check_batches(cfg, "actor")
     if uses_critic(cfg) and _estimator(cfg) is not None:
         _check_batches(cfg, "critic")
@@ -288,8 +303,9 @@ def validate_config(cfg: Config, *, import_code: bool = True) -> None:
 # (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
 PROGRAM_KEYS = tuple(
     f"agent.{k}"
-    for k in ("max_concurrent_episodes", "episode_timeout_s", "endpoint_host", "endpoint_port")
-)
+    for k in ("max_concurrent_episodes", "episode_timeout_s", "endpoint_host", "endpoint_port",
+              "endpoint_allow_remote")
+)  # fmt: skip
 BUILT_IN_LOOP_KEYS = tuple(
     f"agent.{k}"
     for k in ("max_turns", "tools", "tool_config", "tool_timeout_s", "max_parallel_calls",
