@@ -3,7 +3,9 @@ machine without it is one line; every parameter, buffer and batch tensor reachin
 forward is on the resolved device; a run resumes across a change of ``trainer.device``."""
 
 import shutil
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,3 +285,21 @@ def test_cuda_computes_the_cpu_log_probs_and_values(tmp_path: Path) -> None:
         log_probs["old_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-4, rtol=0
     )
     torch.testing.assert_close(values["values"][mask], batch["values"][mask], atol=1e-4, rtol=0)
+
+
+def test_each_rank_takes_its_local_gpu(monkeypatch) -> None:
+    """The GPU Ray assigned (by its place in CUDA_VISIBLE_DEVICES), else LOCAL_RANK modulo the
+    visible GPUs, else the first."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert placement.local_gpu_index() == 0
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert placement.local_gpu_index() == 1
+    fake_ray = SimpleNamespace(is_initialized=lambda: True, get_gpu_ids=lambda: [6])
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert placement.local_gpu_index() == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # Ray left every GPU visible: its id is the index
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert placement.local_gpu_index() == 6

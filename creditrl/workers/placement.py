@@ -3,9 +3,9 @@
 ``trainer.device`` is ``auto`` (CUDA when it is visible), ``cpu`` or ``cuda``. Under
 ``trainer.backend=ray`` the workers' GPUs are the ones Ray gives them, so ``auto`` means CUDA
 exactly when ``trainer.ray.gpus_per_worker`` > 0 (Ray hides the GPUs from an actor that asked
-for none). Each rank takes its local GPU: ``cuda:$LOCAL_RANK`` (torchrun; the async learner
-ranks set it to their rank), else ``cuda:0`` (Ray makes an actor's own GPUs the only visible
-ones). Asking for CUDA where none is visible is a ``ConfigError`` naming the key.
+for none). Each rank takes its local GPU (``local_gpu_index``): the one Ray assigned it, else
+``cuda:$LOCAL_RANK`` (torchrun; the async learner ranks set it to their rank), else ``cuda:0``.
+Asking for CUDA where none is visible is a ``ConfigError`` naming the key.
 
 The resolved ``Placement`` holds the device, the process-group backend (``nccl`` on CUDA, else
 ``gloo``) and what ``actor.autocast`` resolves to there; every worker reads it (models are moved
@@ -15,6 +15,7 @@ to its device, batches enter a stage through ``to_device`` and leave through ``t
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "cuda_visible",
     "describe",
     "device_type",
+    "local_gpu_index",
     "placement_for",
     "to_cpu",
     "update_autocast",
@@ -162,18 +164,35 @@ def describe(cfg: Any) -> str:
     )
 
 
-def _local_index() -> int:
-    """This rank's GPU among the visible ones: ``$LOCAL_RANK`` modulo their count, else 0."""
+def _ray_gpu() -> str | None:
+    """The first GPU id Ray assigned this process (a Ray actor's), or None outside Ray."""
+    ray = sys.modules.get("ray")  # a Ray worker has imported it; nothing else needs it
+    if ray is None or not ray.is_initialized():
+        return None
+    ids = ray.get_gpu_ids()
+    return str(ids[0]) if ids else None
+
+
+def local_gpu_index() -> int:
+    """This rank's GPU among the visible ones: the one Ray assigned (its place in
+    ``$CUDA_VISIBLE_DEVICES``, which Ray normally narrows to it), else ``$LOCAL_RANK`` (torchrun,
+    the async learner ranks) modulo the visible count, else 0."""
+    count = max(torch.cuda.device_count(), 1)
+    ray_gpu = _ray_gpu()
+    if ray_gpu is not None:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        if ray_gpu in visible:
+            return visible.index(ray_gpu) % count
+        return int(ray_gpu) % count if ray_gpu.isdigit() else 0
     local = os.environ.get("LOCAL_RANK", "0")
-    index = int(local) if local.isdigit() else 0
-    return index % max(torch.cuda.device_count(), 1)
+    return (int(local) if local.isdigit() else 0) % count
 
 
 @cache
 def _resolve(kind: str, autocast: str) -> Placement:
     if kind == "cpu":
         return Placement(torch.device("cpu"), "gloo", resolve_autocast(autocast, "cpu"))
-    index = _local_index()
+    index = local_gpu_index()
     torch.cuda.set_device(index)
     return Placement(torch.device("cuda", index), "nccl", resolve_autocast(autocast, "cuda"))
 
