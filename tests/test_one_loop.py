@@ -16,6 +16,7 @@ from creditrl.batch import Batch
 from creditrl.models import load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.rl_trainer import RLTrainer
+from creditrl.trainers.schedule import Schedule
 
 # the keys the training half writes (the generation half's rollout/reward keys aside)
 TRAINING_HALF = ("actor/", "critic/", "health/", "response_length/", "prompt_length/")
@@ -129,3 +130,17 @@ def test_async_agent_run_logs_tools_and_agent_metrics_for_training_steps(tmp_pat
     assert metrics["num_turns/mean"] == 1.0 and metrics["agent/stop_answer"] == 1.0
     assert "tokenization/retokenize_mismatch_rate" in metrics
     assert "trajectory_score" in learner.last_batch
+
+
+def test_both_loops_validate_and_save_on_one_schedule(tmp_path: Path) -> None:
+    """One rule for the steps that validate and save. trainer.test_freq=0 with
+    val_before_train: `creditrl train` validates before its first step, and so does the learner
+    (it built no validation rows before, so it skipped that validation)."""
+    schedule = Schedule(total_steps=5, test_freq=2, save_freq=0, val_before_train=True)
+    assert [step for step in range(6) if schedule.validates(step)] == [0, 2, 4, 5]
+    assert [step for step in range(1, 6) if schedule.saves(step)] == [5]
+    never = Schedule(total_steps=5, test_freq=0, save_freq=2, val_before_train=False)
+    assert not never.validates_ever and [s for s in range(1, 6) if never.saves(s)] == [2, 4, 5]
+    extra = ("trainer.test_freq=0", "data.train_size=8", "data.val_size=2")
+    learner = _learner(tmp_path, *extra)
+    assert learner.schedule.validates(0) and len(learner.val_rows) == 2

@@ -93,6 +93,7 @@ from creditrl.pipeline.training_half import TrainingHalf
 from creditrl.plain_text import as_text
 from creditrl.tracking import RolloutDumper, Timer, Tracker
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
+from creditrl.trainers.schedule import Schedule
 from creditrl.workers.hybrid import ADDITIVE_METRICS
 
 __all__ = ["ADDITIVE_METRICS", "AsyncRolloutDumper", "Learner"]
@@ -138,6 +139,7 @@ class Learner:
         torch.manual_seed(cfg.trainer.seed)
         self.out = Path(cfg.trainer.output_dir)
         self.n = cfg.rollout.n
+        self.schedule = Schedule.from_config(cfg.trainer)  # creditrl train's validations, saves
         self.groups_per_step = cfg.data.train_batch_size
         self.use_ref = needs_reference(cfg)
         # the behaviour log-probs of rows sampled by the current version are exactly this
@@ -204,9 +206,9 @@ class Learner:
             )
 
     def _validation_rows(self) -> list[Any]:
-        """The held-out rows validated every ``trainer.test_freq`` steps (rank 0), as
-        ``creditrl train`` builds them; none when validation is off."""
-        if self.cfg.trainer.test_freq <= 0:
+        """The held-out rows validated at the steps ``self.schedule`` names (rank 0), as
+        ``creditrl train`` builds them; none when no step validates."""
+        if not self.schedule.validates_ever:
             return []
         _, val = build_run_datasets(self.cfg, self.tokenizer)
         return [] if val is None else [val[i] for i in range(len(val))]
@@ -514,7 +516,7 @@ class Learner:
         cfg = self.cfg
         began = time.perf_counter()
         resumed = self.maybe_resume()
-        if self.main and not resumed and cfg.trainer.val_before_train and self.val_rows:
+        if self.main and not resumed and self.schedule.validates(0) and self.val_rows:
             self.tracker.log(self.pipeline.validate(self.val_rows), step=0)
         if self.main:
             self.socket = LearnerSocket(
@@ -540,17 +542,12 @@ class Learner:
             while not self._control(self.step >= cfg.trainer.total_steps):
                 self.step += 1
                 metrics = self.train_step()
-                save_freq = cfg.trainer.save_freq
-                save = (save_freq > 0 and self.step % save_freq == 0) or (
-                    self.step == cfg.trainer.total_steps
-                )
+                save = self.schedule.saves(self.step)
                 if save and self.world > 1:
                     self._check_replicas()
                 if not self.main:
                     continue
-                test_freq = cfg.trainer.test_freq
-                last = self.step == cfg.trainer.total_steps
-                if self.val_rows and (self.step % test_freq == 0 or last):
+                if self.val_rows and self.schedule.validates(self.step):
                     metrics.update(self.pipeline.validate(self.val_rows))
                 self.tracker.log(metrics, step=self.step)
                 staleness.append(metrics["async/staleness/mean"])

@@ -39,6 +39,7 @@ from creditrl.tracking import (
 )
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.run_lock import RunLock
+from creditrl.trainers.schedule import Schedule
 from creditrl.workers.placement import check_device, describe, device_type
 from creditrl.workers.precision import autocast_choice
 
@@ -269,6 +270,7 @@ class RLTrainer:
 
     def fit(self) -> RunSummary:
         cfg = self.cfg.trainer
+        schedule = Schedule.from_config(cfg)
         began = time.perf_counter()
         progress = None
         try:  # a refused checkpoint or a Ctrl-C before the first step still closes the workers
@@ -277,7 +279,7 @@ class RLTrainer:
                 if self.step >= cfg.total_steps:
                     note += " (already finished: raise trainer.total_steps or use a new output_dir)"
                 self.console.print(as_text(note))
-            elif cfg.val_before_train:
+            elif schedule.validates(0):
                 self.val_before = self.validate()
                 self.tracker.log(self.val_before, step=0)
             summary = RunSummary(self.out, cfg.total_steps, self.val_before, self.val_latest)
@@ -285,14 +287,13 @@ class RLTrainer:
             while self.step < cfg.total_steps:
                 self.step += 1
                 metrics = self.train_step()
-                last = self.step == cfg.total_steps
-                if cfg.test_freq > 0 and (self.step % cfg.test_freq == 0 or last):
+                if schedule.validates(self.step):
                     self.val_latest = summary.val_after = self.validate()
                     metrics.update(summary.val_after)
                 self.tracker.log(metrics, step=self.step)
                 progress.update(self.step, metrics)
                 summary.rewards.append(metrics.get("critic/score/mean", float("nan")))
-                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
+                if schedule.saves(self.step):
                     self.save_checkpoint()
         finally:
             if progress is not None:
