@@ -50,7 +50,7 @@ from creditrl.agents.episodes import EpisodeEnded, EpisodeRun
 from creditrl.agents.loop import Trajectory, turn_seed
 from creditrl.agents.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from creditrl.agents.rollout import EngineRollout, agent_metrics, trajectories_to_batch
-from creditrl.agents.transcript import Transcript
+from creditrl.agents.transcript import Transcript, message_text, render_ids
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config.schema import AgentConfig, RolloutConfig
 from creditrl.errors import UserCodeError
@@ -139,6 +139,7 @@ class ProgramRollout(EngineRollout):
         config = getattr(getattr(engine, "model", None), "config", None)
         positions = getattr(config, "max_position_embeddings", None)
         self.max_positions = positions if isinstance(positions, int) else None
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=0)
         self.live: dict[str, tuple[EpisodeRun, Transcript, list[int] | None]] = {}
 
     def _endpoint(self) -> Endpoint:
@@ -289,10 +290,17 @@ class ProgramRollout(EngineRollout):
             raise _ended()
         run, transcript, seeds = entry
         _check_request(body)
+        self._check_text_length(body, first=transcript.trajectory is None)
+        try:  # off the endpoint's loop: a long conversation takes a while to render
+            rendered = await asyncio.to_thread(
+                render_ids, self.tokenizer, body["messages"], body.get("tools"), True
+            )
+        except Exception as e:  # the template refused what the request holds
+            raise _unrenderable(e) from None
         with run.cond:  # the transcript changes only while its episode runs
             if not run.is_running(transcript.index):
                 raise _ended()
-            ids, cap = self._context(transcript, body)
+            ids, cap = self._context(transcript, body, rendered)
         turn = transcript.turn + 1
         seed = turn_seed(seeds[transcript.index], turn) if seeds else None
         sample = transcript.index if transcript.recording else -1
@@ -315,19 +323,45 @@ class ProgramRollout(EngineRollout):
         )
         return self._response(name, turn, content, calls, out, len(ids), body, finish)
 
-    def _context(self, transcript: Transcript, body: Mapping[str, Any]) -> tuple[list[int], int]:
-        """The ids the request continues and its token cap; EndpointError when the request
-        cannot be rendered, is past the context limits or the trajectory's budget is used."""
-        first = transcript.trajectory is None
-        try:
-            ids = transcript.context(body["messages"], body.get("tools"))
-        except Exception as e:  # the template refused what the request holds
+    def _check_text_length(self, body: Mapping[str, Any], first: bool) -> None:
+        """Refuse, before rendering it, a request whose text cannot fit in the context limit: a
+        token covers at most ``max_token_chars`` characters, so more text than limit x that
+        renders past the limit (rendering a megabyte takes seconds on the endpoint's loop)."""
+        budget = self.rollout_cfg.max_response_length
+        limits = [
+            self.max_prompt_length if first else None,
+            None if self.max_prompt_length is None else self.max_prompt_length + budget,
+            self.max_positions,
+        ]
+        limit = min((x for x in limits if x is not None), default=None)
+        if limit is None or not self.max_token_chars:
+            return
+        tools = body.get("tools")
+        chars = sum(len(message_text(m)) for m in body["messages"])
+        chars += len(json.dumps(tools)) if tools else 0
+        if chars > limit * self.max_token_chars:
+            code = "prompt_too_long" if first else "context_too_long"
+            hint = "; raise data.max_prompt_length" if first else ""
             raise EndpointError(
                 400,
-                f"the chat template cannot render this request: {type(e).__name__}: {str(e)[:200]}",
+                f"the request holds {chars} characters: more than {limit} tokens can hold "
+                f"(data.max_prompt_length, rollout.max_response_length, the model's positions)"
+                f"{hint}",
                 "invalid_request_error",
-                "bad_request",
-            ) from None
+                code,
+            )
+
+    def _context(
+        self, transcript: Transcript, body: Mapping[str, Any], rendered: list[int]
+    ) -> tuple[list[int], int]:
+        """The ids the request continues (``rendered``: the request under the chat template)
+        and its token cap; EndpointError when the new messages cannot be rendered, the request
+        is past the context limits or the trajectory's budget is used."""
+        first = transcript.trajectory is None
+        try:
+            ids = transcript.context(body["messages"], body.get("tools"), rendered)
+        except Exception as e:  # the template refused the new messages
+            raise _unrenderable(e) from None
         limit = self.max_prompt_length
         if first and limit is not None and len(ids) > limit:
             transcript.trajectory = None  # nothing recorded: the episode never started
@@ -457,6 +491,15 @@ class ProgramRollout(EngineRollout):
             for e, r in zip(extras, rewards, strict=True)
         ]
         return batch
+
+
+def _unrenderable(e: Exception) -> EndpointError:
+    return EndpointError(
+        400,
+        f"the chat template cannot render this request: {type(e).__name__}: {str(e)[:200]}",
+        "invalid_request_error",
+        "bad_request",
+    )
 
 
 def _ended() -> EndpointError:

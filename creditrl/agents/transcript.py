@@ -105,12 +105,19 @@ class Transcript:
     def recording(self) -> bool:
         return not self.stop_reason
 
-    def context(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[int]:
+    def context(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Any,
+        rendered: list[int] | None = None,
+    ) -> list[int]:
         """The ids the next turn continues: the recorded ones with the new messages appended,
-        or, once recording has ended, the request rendered on its own."""
+        or, once recording has ended, the request rendered on its own (``rendered``: the
+        request already rendered with the generation prompt, else it is rendered here)."""
         self.requests += 1
         tokenizer = self.chat.tokenizer
-        rendered = render_ids(tokenizer, messages, tools, generation=True)
+        if rendered is None:
+            rendered = render_ids(tokenizer, messages, tools, generation=True)
         if self.trajectory is None:
             self.trajectory = Trajectory(prompt_ids=rendered)
             self.messages = _plain(messages)

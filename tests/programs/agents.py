@@ -174,9 +174,10 @@ async def keeps_asking(row, client):
             SPENT.append(("ok", reply.usage.completion_tokens))
         except openai.APIStatusError as e:
             SPENT.append((e.body.get("code") if isinstance(e.body, dict) else "?", 0))
-    messages.append({"role": "user", "content": "word " * 400})
-    try:
-        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-    except openai.APIStatusError as e:
-        SPENT.append((e.body.get("code") if isinstance(e.body, dict) else "?", 0))
+    for size in (400, 200_000):  # ~2 kB, ~1 MB
+        try:
+            long = [*messages, {"role": "user", "content": "word " * size}]
+            await client.chat.completions.create(model="policy", messages=long, max_tokens=4)
+        except openai.APIStatusError as e:
+            SPENT.append((e.body.get("code") if isinstance(e.body, dict) else "?", 0))
     return 1.0
