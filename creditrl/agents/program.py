@@ -144,7 +144,7 @@ class ProgramRollout(EngineRollout):
 
     def _endpoint(self) -> Endpoint:
         if self.endpoint is None:
-            self.endpoint = Endpoint(
+            endpoint = Endpoint(
                 self._complete,
                 lambda trajectory: trajectory in self.live,
                 model_name="creditrl-policy",
@@ -152,7 +152,8 @@ class ProgramRollout(EngineRollout):
                 port=self.cfg.endpoint_port,
                 max_connections=2 * self.cfg.max_concurrent_episodes + 32,
             )
-            self.endpoint.start()
+            endpoint.start()  # a port in use: ConfigError naming agent.endpoint_port
+            self.endpoint = endpoint
         return self.endpoint
 
     def close(self) -> None:
