@@ -166,10 +166,10 @@ async def keeps_asking(row, client):
     reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
     SPENT.append(("ok", reply.usage.completion_tokens))
     messages += [{"role": "assistant", "content": "(edited)"}, {"role": "user", "content": "go"}]
-    for _ in range(12):
+    for _ in range(6):
         try:
             reply = await client.chat.completions.create(
-                model="policy", messages=messages, max_tokens=4
+                model="policy", messages=messages, max_tokens=8
             )
             SPENT.append(("ok", reply.usage.completion_tokens))
         except openai.APIStatusError as e:
