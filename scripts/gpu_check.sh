@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The GPU check: one command for a fresh, offline GPU machine with its own torch (at most ~6
+# minutes, no download, no real weights). It prints the device, runs one `creditrl train` step
+# through `python -m creditrl.cli` on it, the tests marked gpu (`pytest -m gpu -rs`: the
+# learning smoke test's CUDA case among them) and benchmarks/gpu_smoke.py (the learning smoke
+# run on CUDA and the CPU, rollout speed of the HF engine against HF generate), and writes
+# benchmarks/results/gpu_check.md naming the device, the versions and each figure. Each part
+# has a time limit (75 s, 150 s, 130 s), so the whole stays under 6 minutes.
+#
+#   scripts/gpu_check.sh                         # on a machine where torch sees CUDA
+#   GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh   # a dry run on the CPU (says so; small shapes;
+#                                                # writes runs/gpu_check_dry_run.md instead)
+#
+# Python: $PYTHON, else .venv/bin/python when present, else python3. creditrl need not be
+# installed: the checkout goes first on PYTHONPATH. The tiny model's tokenizer comes from the
+# creditrl cache ($CREDITRL_CACHE or ~/.cache/creditrl) or the embedded model's package.
+# Without CUDA (and without GPU_CHECK_ALLOW_CPU=1) it exits 2 with one line; it exits 1 when a
+# part failed, 0 when all passed.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 2
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+  echo "error: $PY cannot import torch: install torch for your CUDA first (see README, On a GPU)"
+  exit 2
+fi
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  dry=0 device=cuda result=benchmarks/results/gpu_check.md
+  bench=(--device cuda --learn-devices cuda,cpu)
+elif [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
+  dry=1 device=cpu result=runs/gpu_check_dry_run.md
+  bench=(--device cpu --learn-devices cpu --rows 4 --prompt-len 16 --new-tokens 8 --repeats 1
+         --dry-run)
+  echo "DRY RUN (GPU_CHECK_ALLOW_CPU=1): no CUDA device is visible; everything runs on the CPU" \
+       "and no GPU is used"
+else
+  echo "error: no CUDA device visible to $PY (torch.cuda.is_available() is False); set" \
+       "GPU_CHECK_ALLOW_CPU=1 for a dry run on the CPU"
+  exit 2
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failed=()
+section() { printf '\n==== %s\n' "$*"; }
+why() { if [ "$1" = 124 ]; then echo "timed out"; else echo "exit $1"; fi; }
+
+section "device"
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "nvidia-smi: not found"; fi
+"$PY" -c 'import torch, transformers
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+print(f"torch.cuda.get_device_name(): {name}")
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}")'
+
+section "the tiny model (random weights, the SmolLM2 tokenizer)"
+if ! tiny=$("$PY" -c 'from creditrl.models.tiny import tiny_model_dir; print(tiny_model_dir())' \
+    2>"$work/tiny.err"); then
+  echo "error: the tiny model could not be built ($(tail -n 1 "$work/tiny.err")): it needs the" \
+       "SmolLM2 tokenizer, from the embedded model's package or a creditrl cache at" \
+       "\$CREDITRL_CACHE holding SmolLM2-135M-Instruct-tokenizer"
+  exit 2
+fi
+echo "$tiny"
+
+section "one creditrl train step through python -m creditrl.cli (trainer.device=$device)"
+COLUMNS=200 timeout 75 "$PY" -m creditrl.cli train "model.path=$tiny" "trainer.device=$device" \
+  trainer.total_steps=1 data.train_batch_size=2 actor.ppo_mini_batch_size=2 rollout.n=2 rollout.max_response_length=8 \
+  trainer.val_before_train=false trainer.test_freq=0 trainer.save_freq=0 \
+  "trainer.output_dir=$work/cli" >"$work/cli.log" 2>&1
+code=$?
+grep -E "^trainer.device:|^error:" "$work/cli.log" || tail -n 5 "$work/cli.log"
+if [ $code = 0 ]; then echo "passed"; else echo "FAILED ($(why $code))"; failed+=(cli); fi
+
+section "pytest -m gpu"
+opts=(-m gpu -rs -p no:cacheprovider --continue-on-collection-errors)
+if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then opts+=(--timeout=120); fi
+timeout 150 "$PY" -m pytest "${opts[@]}" 2>&1 | tee "$work/pytest.log" | grep -vE "^(Loading|step )"
+code=${PIPESTATUS[0]}
+if [ "$code" != 0 ]; then echo "pytest: FAILED ($(why "$code"))"; failed+=(pytest); fi
+
+section "benchmarks/gpu_smoke.py: the learning smoke run and rollout speed"
+COLUMNS=200 timeout 130 "$PY" benchmarks/gpu_smoke.py --out "$result" --pytest-log "$work/pytest.log" \
+  "${bench[@]}" 2>&1 | grep -vE "^(Loading|step )"
+code=${PIPESTATUS[0]}
+if [ "$code" != 0 ]; then echo "gpu_smoke.py: FAILED ($(why "$code"))"; failed+=(gpu_smoke); fi
+
+section "summary"
+[ $dry = 1 ] && echo "DRY RUN on the CPU: no GPU was used"
+[ -f "$result" ] && echo "figures: $result"
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
+echo "all parts passed"
