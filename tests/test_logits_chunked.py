@@ -245,24 +245,18 @@ def test_actor_logits_chunk_tokens_reaches_every_forward(capsys) -> None:
     assert "actor.logits_chunk_tokens=" in line and "must be" in line
 
 
-def test_fsdp2_sharded_model_runs_whole(monkeypatch) -> None:
+def test_fsdp2_sharded_model_runs_whole() -> None:
     """fully_shard's root forward gathers the head's parameters: a sharded model is not split."""
-    import socket
-
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     batch = padded_batch([6, 3], [5, 2])
     mask = batch["response_mask"].bool()
     model = _lm(tied=True)
     with torch.no_grad():
         want, _ = _reference(model, batch, 1.0)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # an in-memory store: a TCP store would listen on every interface (tests/test_loopback.py)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         fully_shard(model)
         rows = _head_rows(model)
