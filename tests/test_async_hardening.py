@@ -504,10 +504,10 @@ def test_a_run_that_finishes_exits_zero(tmp_path: Path) -> None:
 
 
 def test_creditrl_async_ends_when_a_sampler_cannot_start(tmp_path: Path) -> None:
-    """`creditrl async` whose sampler fails at start-up (its state_dir is a file) exits 1 as
-    soon as the sampler's exit is seen (before: the learner waited data_timeout_s=600 s, past
-    the 300 s this test allows a loaded machine) naming the sampler and its error, with the
-    sampler's output in its log file."""
+    """`creditrl async` whose sampler fails at start-up (its state_dir is a file: one line,
+    exit 2) exits with the sampler's code as soon as the sampler's exit is seen (before: the
+    learner waited data_timeout_s=600 s, past the 300 s this test allows a loaded machine)
+    naming the sampler and its error, with the sampler's output in its log file."""
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     args = [f"model.path={tiny_model_dir()}", *RUN, "data.train_batch_size=1", "rollout.n=2",
@@ -519,10 +519,11 @@ def test_creditrl_async_ends_when_a_sampler_cannot_start(tmp_path: Path) -> None
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]
+    assert proc.returncode == 2, output[-3000:]
     assert "asynchronous.data_timeout_s" not in output
-    assert "sampler 0 (s0) exited with code 1" in output
-    assert "| FileExistsError" in output or "| NotADirectoryError" in output, output[-3000:]
+    assert "sampler 0 (s0) exited with code 2" in output
+    assert "| error: cannot use " in output and "Not a directory" in output, output[-3000:]
+    assert "Traceback" not in output
     assert (tmp_path / "out" / "async" / "logs" / "sampler-0.log").is_file()
 
 
