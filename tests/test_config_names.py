@@ -85,8 +85,7 @@ def test_a_trl_name_in_a_yaml_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == (
-        f"unknown key 'learning_rate' (TRL's name, from {path}); creditrl calls it "
-        "'actor.optim.lr'"
+        f"unknown key 'learning_rate' (TRL's name, from {path}); creditrl calls it 'actor.optim.lr'"
     )
 
 
