@@ -297,3 +297,21 @@ def spy_grads(worker, model, grads: list) -> None:
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
 
     worker.optimizer.register_step_pre_hook(spy)
+
+
+def chat_prompts(tokenizer, questions: tuple[str, ...], n: int = 2) -> Batch:
+    """One user turn per question, left-padded, each ``n`` times (a group of n), with the
+    messages as the dataset gives them (``raw_prompt``) and toy ground truths."""
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    rows = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False)
+        for c in chats
+    ]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    truths = ["7", "red", *[""] * max(0, len(questions) - 2)][: len(questions)]
+    batch = Batch({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": chats,
+                  "data_source": ["toy"] * len(questions), "ground_truth": truths})  # fmt: skip
+    return batch.repeat(n, interleave=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_engine_config
+from helpers import chat_prompts, tiny_engine_config
 
 from creditrl.batch import Batch
 from creditrl.errors import ConfigError, UserCodeError
@@ -21,17 +21,7 @@ QUESTIONS = ("What is 3 + 4?", "Name a colour, then stop.")
 
 def prompts_of(worker: HybridWorker) -> Batch:
     """Two chat prompts, each twice (a group of 2), with their messages as the dataset gives."""
-    tok = worker.tokenizer
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    rows = [
-        tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats
-    ]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    batch = Batch({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": chats,
-                  "data_source": ["toy"] * 2, "ground_truth": ["7", "red"]})  # fmt: skip
-    return batch.repeat(2, interleave=True)
+    return chat_prompts(worker.tokenizer, QUESTIONS)
 
 
 def program_config(tmp_path: Path, name: str, *extra: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_engine_config
+from helpers import chat_prompts, tiny_engine_config
 
 from creditrl.agents.loop import Trajectory
 from creditrl.agents.rewards import StructuredRewardManager
@@ -161,17 +161,7 @@ def worker(tmp_path_factory):
 
 def two_questions(worker) -> Batch:
     """Two chat prompts, each twice, with their messages as the dataset gives them."""
-    tok = worker.tokenizer
-    chats = [[{"role": "user", "content": q}] for q in ("What is 3 + 4?", "Name a colour.")]
-    rows = [
-        tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats
-    ]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    batch = Batch({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": chats,
-                  "data_source": ["toy"] * 2, "ground_truth": ["7", "red"]})  # fmt: skip
-    return batch.repeat(2, interleave=True)
+    return chat_prompts(worker.tokenizer, ("What is 3 + 4?", "Name a colour."))
 
 
 def run_program(worker, name: str, timeout_s: float = 120) -> Batch:
