@@ -25,6 +25,7 @@ from creditrl.rewards.registry import (
     portable_spec,
     scorer_spec,
 )
+from creditrl.rollout.strategies import strategy_traits
 from creditrl.usercode import resolve_adv_estimator
 
 __all__ = ["check_models", "data_sources", "preflight"]
@@ -70,7 +71,9 @@ def check_models(cfg: Config) -> None:
 def _uses_tools(cfg: Config) -> bool:
     from creditrl.agents.tasks import AGENT_TASKS
 
-    return cfg.agent.enable or (cfg.data.task in AGENT_TASKS and not cfg.data.train_files)
+    return strategy_traits(cfg).uses_tools or (
+        cfg.data.task in AGENT_TASKS and not cfg.data.train_files
+    )
 
 
 def data_sources(cfg: DataConfig) -> Sources:
@@ -108,7 +111,7 @@ def _check_scorers(cfg: Config, sources: Sources) -> None:
     structured = structured_reward(cfg)
     if not structured and reward.reward_model.enable and reward.reward_model.mode == "replace":
         return  # the reward model alone scores; no rule scorer runs
-    if cfg.agent.enable and cfg.agent.program is not None and not reward.scorer:
+    if strategy_traits(cfg).runs_program and not reward.scorer:
         return  # the program may return every reward; a row it leaves unscored and no scorer
         # takes fails its sample at scoring (counted, reward.max_failure_rate applies)
     in_workers = not structured and reward.num_workers > 0

@@ -11,7 +11,7 @@ import torch
 from helpers import chat_prompts, tiny_engine_config
 
 from creditrl.batch import Batch
-from creditrl.errors import ConfigError, UserCodeError
+from creditrl.errors import UserCodeError
 from creditrl.trainers.rl_trainer import RLTrainer
 from creditrl.workers.hybrid import HybridWorker
 
@@ -188,7 +188,5 @@ def test_two_training_steps_with_a_program(tmp_path: Path) -> None:
 
 
 def test_program_settings_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"agent\.program needs agent\.enable=true"):
-        tiny_engine_config(tmp_path, f"agent.program={PROGRAMS}:two_turns")
     with pytest.raises(UserCodeError, match=r"is not an async function"):
         HybridWorker(program_config(tmp_path, "not_async"))

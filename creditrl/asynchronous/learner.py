@@ -91,6 +91,7 @@ from creditrl.pipeline.step import (
 )
 from creditrl.pipeline.training_half import TrainingHalf
 from creditrl.plain_text import as_text
+from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper, Timer, Tracker
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.schedule import Schedule
@@ -169,7 +170,7 @@ class Learner:
         structured = structured_reward(cfg)
         optional = {"ref_log_prob": self.use_ref and a.ref_on == "sampler",
                     "rm_scores": cfg.reward.reward_model.enable,
-                    **dict.fromkeys(AGENT_FIELDS, cfg.agent.enable),
+                    **dict.fromkeys(AGENT_FIELDS, strategy_traits(cfg).multi_turn),
                     **dict.fromkeys(STRUCTURED_FIELDS, structured)}  # fmt: skip
         self.limits = GroupLimits(
             n=self.n,

@@ -60,6 +60,7 @@ from creditrl.pipeline.step import (
     sampled_temperature,
 )
 from creditrl.plain_text import as_text
+from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import Timer, Tracker
 from creditrl.workers.hybrid import HybridWorker
 
@@ -108,7 +109,7 @@ class Sampler:
         self.groups_per_batch = a.sampler_batch_groups or cfg.data.train_batch_size
         self.max_inflight = a.max_inflight_groups or 2 * cfg.data.train_batch_size
         # the behaviour policy: the rollout role of the hybrid worker `creditrl train` uses (any
-        # registered engine, the agent loop when agent.enable, the reference when it is here)
+        # registered engine, the selected rollout strategy over it, the reference when it is here)
         with_ref = needs_reference(cfg) and a.ref_on == "sampler"
         self.worker = HybridWorker(cfg, roles=("rollout",), with_ref=with_ref)
         torch.manual_seed(cfg.trainer.seed + 1 + index)
@@ -180,7 +181,7 @@ class Sampler:
                 "sampler/score_mean": float(scores.mean()),
             }
         )
-        if self.cfg.agent.enable:
+        if strategy_traits(self.cfg).multi_turn:
             from creditrl.agents.rollout import agent_metrics
 
             metrics.update(agent_metrics(batch) if "tool_calls" in batch else {})

@@ -66,6 +66,8 @@ def load_run_config(
 
 def run_code(cfg: Config) -> list[str]:
     """``key=value`` of each setting of ``cfg`` that names code to import or run."""
+    from creditrl.rollout.strategies import strategy_traits
+
     found = []
     if cfg.trainer.extensions:
         found.append(f"trainer.extensions={format_value(cfg.trainer.extensions)}")
@@ -73,8 +75,9 @@ def run_code(cfg: Config) -> list[str]:
         found.append(f"reward.scorer={format_value(cfg.reward.scorer)}")
     if is_code_spec(cfg.algorithm.adv_estimator):
         found.append(f"algorithm.adv_estimator={format_value(cfg.algorithm.adv_estimator)}")
-    if cfg.agent.enable and cfg.agent.program is not None:
+    traits = strategy_traits(cfg)  # the code the selected rollout strategy runs
+    if traits.runs_program:
         found.append(f"agent.program={format_value(cfg.agent.program)}")
-    if cfg.agent.enable and cfg.agent.tool_config is not None:
+    if traits.uses_tools and cfg.agent.tool_config is not None:
         found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")
     return [shorten(item, 120) for item in found]

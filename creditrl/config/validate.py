@@ -64,6 +64,13 @@ def _declared(cfg: Config, registry: str, name: str, option: str) -> bool:
     return name not in entries or option in entries.info(name).get("options", ())
 
 
+def _strategy(cfg: Config) -> Any:
+    """What the rollout strategy ``cfg`` selects declared (``creditrl.rollout.strategies``)."""
+    from creditrl.rollout.strategies import strategy_traits
+
+    return strategy_traits(cfg)
+
+
 def _engine_traits(cfg: Config) -> Any:
     """What the configured engine declared (``register_rollout_engine``); the defaults for a
     name not registered (refused elsewhere)."""
@@ -217,8 +224,6 @@ def _check_endpoint_host(cfg: Config) -> None:
 
 def _check_combinations(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
-    if cfg.agent.program is not None and not cfg.agent.enable:
-        raise ConfigError("agent.program needs agent.enable=true (it runs multi-turn episodes)")
     _check_endpoint_host(cfg)
     _check_batches(cfg, "actor")
     if uses_critic(cfg) and _estimator(cfg) is not None:
@@ -323,19 +328,23 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
         ("critic.", "model.critic_path", "trainer.critic_warmup", "trainer.critic_placement"),
         lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
     ),
-    (lambda c: not c.agent.enable, ("agent.",), lambda c: "agent.enable=false"),
     (
-        lambda c: c.agent.enable and c.agent.program is None,
+        lambda c: not _strategy(c).multi_turn,
+        ("agent.",),
+        lambda c: "agent.enable=false",
+    ),
+    (
+        lambda c: _strategy(c).multi_turn and not _strategy(c).runs_program,
         PROGRAM_KEYS,
         lambda c: "agent.program is not set (these are its settings)",
     ),
     (
-        lambda c: c.agent.enable and c.agent.program is not None,
+        lambda c: _strategy(c).multi_turn and not _strategy(c).uses_tools,
         BUILT_IN_LOOP_KEYS,
         lambda c: "agent.program runs its own loop and tools (these are the built-in loop's)",
     ),
     (
-        lambda c: bool(c.data.train_files) or c.agent.enable,
+        lambda c: bool(c.data.train_files) or _strategy(c).multi_turn,
         ("data.few_shot",),
         lambda c: (
             "data.train_files holds the prompts"

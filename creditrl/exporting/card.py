@@ -89,7 +89,9 @@ def validations(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, f
 
 
 def _training(cfg: Config, ckpt: RunCheckpoint, adapter: bool, dtype: str) -> list[str]:
-    data = cfg.data
+    from creditrl.rollout.strategies import strategy_traits
+
+    data, traits = cfg.data, strategy_traits(cfg)
     if data.train_files:
         task = f"prompts from `data.train_files={format_value(data.train_files)}`"
     else:
@@ -105,7 +107,7 @@ def _training(cfg: Config, ckpt: RunCheckpoint, adapter: bool, dtype: str) -> li
     lines = [
         f"- base model: `model.path={cfg.model.path}`"
         + (f" ({EMBEDDED_NOTE})" if cfg.model.path == "embedded" else ""),
-        f"- task: {task}" + (f", agent tools {cfg.agent.tools}" if cfg.agent.enable else ""),
+        f"- task: {task}" + (f", agent tools {cfg.agent.tools}" if traits.uses_tools else ""),
         f"- reward: {reward}",
         f"- algorithm: `algorithm.adv_estimator={cfg.algorithm.adv_estimator}`, "
         f"`actor.policy_loss={cfg.actor.policy_loss}`",

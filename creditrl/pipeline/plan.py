@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from creditrl.config import Config
 from creditrl.core import ADV_ESTIMATORS
+from creditrl.rollout.strategies import strategy_traits
 from creditrl.usercode import resolve_adv_estimator
 
 __all__ = ["Plan", "structured_reward"]
@@ -16,8 +17,7 @@ def structured_reward(cfg: Config) -> bool:
     """The run scores with spec 001's structured reward manager (turn and global scores): an
     agent run of the built-in loop with ``agent.reward_manager=structured`` (an
     ``agent.program`` run is scored by its program or the rule scorers)."""
-    a = cfg.agent
-    return a.enable and a.program is None and a.reward_manager == "structured"
+    return strategy_traits(cfg).uses_tools and cfg.agent.reward_manager == "structured"
 
 
 @dataclass(frozen=True)

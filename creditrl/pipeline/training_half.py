@@ -15,6 +15,7 @@ from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.pipeline.step import StepPipeline
 from creditrl.plain_text import as_text
+from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -76,7 +77,7 @@ class TrainingHalf:
         metrics = compute_data_metrics(batch, use_critic=self.use_critic)
         metrics.update(compute_timing_metrics(timing, batch))
         metrics.update(compute_throughput_metrics(timing, batch if whole is None else whole))
-        if self.cfg.agent.enable:
+        if strategy_traits(self.cfg).multi_turn:
             from creditrl.agents.hooks import after_step
 
             metrics.update(after_step(batch, self.tokenizer, self.cfg.agent))

@@ -31,6 +31,7 @@ from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.core.registry import Registry
 from creditrl.errors import ConfigError, UserCodeError
+from creditrl.rollout.strategies import strategy_traits
 
 if TYPE_CHECKING:
     from creditrl.config import Config
@@ -248,5 +249,5 @@ def rollout_log_probs_are_actors(cfg: Config) -> bool:
         engine_traits(cfg.rollout.engine).exact_log_probs
         and cfg.rollout.top_k <= 0
         and cfg.rollout.top_p >= 1.0
-        and not (cfg.agent.enable and not cfg.agent.state_masking)
+        and not (strategy_traits(cfg).multi_turn and not cfg.agent.state_masking)
     )

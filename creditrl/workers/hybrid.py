@@ -41,6 +41,7 @@ from creditrl.models import (
 )
 from creditrl.pipeline.plan import Plan
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
+from creditrl.rollout.strategies import build_rollout
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
@@ -100,7 +101,7 @@ class HybridWorker:
     needs it, the reference), ``"critic"`` (built when the estimator requires values),
     ``"rollout"`` (a frozen policy: no optimizer, eval mode, ``requires_grad`` off; LoRA
     adapters when ``model.lora_rank > 0`` and ``asynchronous.lora_sync=adapter``; its engine
-    and the agent loop when ``agent.enable``) and ``"ref"`` (the frozen reference, also asked
+    and the selected rollout strategy over it) and ``"ref"`` (the frozen reference, also asked
     for by ``with_ref=True``). ``"rollout"`` excludes ``"actor"``, which has its own engine.
     """
 
@@ -220,7 +221,8 @@ class HybridWorker:
 
     def _build_engine(self, model: torch.nn.Module, lora: bool) -> None:
         """The engine ``rollout.engine`` names, and ``rollout``: what ``generate`` calls (the
-        engine, or the agent loop over it)."""
+        selected rollout strategy built around the engine: the engine itself, the agent loop
+        or the agent program over it)."""
         cfg = self.cfg
         args = EngineArgs(
             cfg.rollout,
@@ -231,22 +233,8 @@ class HybridWorker:
             world_size=self.world,
             lora=lora,
         )
-        self.engine = self.rollout = build_rollout_engine(args)
-        if cfg.agent.enable and cfg.agent.program is not None:
-            from creditrl.agents.program import ProgramRollout
-
-            self.rollout = ProgramRollout(
-                self.engine,
-                self.tokenizer,
-                cfg.agent,
-                cfg.rollout,
-                fallback_score=cfg.reward.fallback_score,
-                max_prompt_length=cfg.data.max_prompt_length,
-            )
-        elif cfg.agent.enable:
-            from creditrl.agents.rollout import AgentRollout
-
-            self.rollout = AgentRollout(self.engine, self.tokenizer, cfg.agent, cfg.rollout)
+        self.engine = build_rollout_engine(args)
+        self.rollout = build_rollout(self.engine, self.tokenizer, cfg)
 
     def _build_critic(self) -> None:
         cfg = self.cfg

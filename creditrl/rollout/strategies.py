@@ -1,0 +1,98 @@
+"""Rollout strategies: how a batch of prompts becomes trajectories, one registry of entries.
+
+- ``single_turn``: the rollout engine samples one answer per prompt;
+- ``agent_loop``: the built-in agent loop (``creditrl.agents.rollout``) around the engine,
+  calling creditrl's tools;
+- ``agent_program``: the user's ``agent.program`` (``creditrl.agents.program``) through
+  creditrl's endpoint.
+
+The user's keys stay ``agent.enable`` and ``agent.program``; ``rollout_strategy`` is the one
+place that reads them to choose an entry. Every other module asks the chosen entry what it
+does (``strategy_traits``) or builds it (``build_rollout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from creditrl.config.schema import Config
+from creditrl.core.registry import Registry
+
+__all__ = [
+    "ROLLOUT_STRATEGIES",
+    "StrategyTraits",
+    "build_rollout",
+    "rollout_strategy",
+    "strategy_traits",
+]
+
+RolloutBuilder = Callable[[Any, Any, Config], Any]
+ROLLOUT_STRATEGIES: Registry[RolloutBuilder] = Registry("rollout strategy")
+
+
+@dataclass(frozen=True)
+class StrategyTraits:
+    """What a rollout strategy declares about itself.
+
+    - ``multi_turn``: its batches carry the multi-turn fields (messages, tool calls, agent
+      info, turn ids) and get the agent metrics; ``agent.state_masking`` and
+      ``agent.keep_kv_cache`` (the engine keeps each sample's KV between turns) apply;
+    - ``uses_tools``: it runs creditrl's tools (``agent.tools``, ``agent.tool_config``) and
+      the built-in loop's settings, scored by ``agent.reward_manager``;
+    - ``runs_program``: it runs the user's ``agent.program`` (code; the endpoint's settings).
+    """
+
+    multi_turn: bool = False
+    uses_tools: bool = False
+    runs_program: bool = False
+
+
+def _register(name: str, traits: StrategyTraits) -> Callable[[RolloutBuilder], RolloutBuilder]:
+    return ROLLOUT_STRATEGIES.register(name, traits=traits)
+
+
+@_register("single_turn", StrategyTraits())
+def _single_turn(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    """The engine itself samples."""
+    return engine
+
+
+@_register("agent_loop", StrategyTraits(multi_turn=True, uses_tools=True))
+def _agent_loop(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    from creditrl.agents.rollout import AgentRollout
+
+    return AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout)
+
+
+@_register("agent_program", StrategyTraits(multi_turn=True, runs_program=True))
+def _agent_program(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    from creditrl.agents.program import ProgramRollout
+
+    return ProgramRollout(
+        engine,
+        tokenizer,
+        cfg.agent,
+        cfg.rollout,
+        fallback_score=cfg.reward.fallback_score,
+        max_prompt_length=cfg.data.max_prompt_length,
+    )
+
+
+def rollout_strategy(cfg: Config) -> str:
+    """The entry ``cfg`` selects: ``agent_program`` when ``agent.program`` is set (with or
+    without ``agent.enable``), ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
+    if cfg.agent.program is not None:
+        return "agent_program"
+    return "agent_loop" if cfg.agent.enable else "single_turn"
+
+
+def strategy_traits(cfg: Config) -> StrategyTraits:
+    """What the strategy ``cfg`` selects declared."""
+    return ROLLOUT_STRATEGIES.info(rollout_strategy(cfg))["traits"]
+
+
+def build_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    """What generates the run's batches: the selected strategy built around ``engine``."""
+    return ROLLOUT_STRATEGIES.get(rollout_strategy(cfg))(engine, tokenizer, cfg)

@@ -1,0 +1,120 @@
+"""Rollout strategies, registered: single-turn sampling, the built-in agent loop and the agent
+program are entries of one registry; ``agent.enable``/``agent.program`` resolve to one in one
+place (``creditrl.rollout.strategies.rollout_strategy``)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from helpers import tiny_engine_config
+
+import creditrl
+from creditrl.config import load_config, load_config_with_sources
+from creditrl.rollout.strategies import (
+    ROLLOUT_STRATEGIES,
+    StrategyTraits,
+    rollout_strategy,
+    strategy_traits,
+)
+from creditrl.trainers.rl_trainer import RLTrainer
+
+ROOT = Path(creditrl.__file__).parent
+PROGRAM = f"{Path(__file__).parent / 'programs' / 'agents.py'}:two_turns"
+# the one resolver, and the files that read agent.program's value (not to choose what runs):
+# the program entry loads it, and a run's config lists it as code the run names
+READERS = {"rollout/strategies.py", "agents/program.py", "config/run_config.py"}
+
+
+def test_the_registry_lists_the_three_strategies_and_what_each_declares() -> None:
+    assert list(ROLLOUT_STRATEGIES) == ["single_turn", "agent_loop", "agent_program"]
+    traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in ROLLOUT_STRATEGIES}
+    assert traits == {
+        "single_turn": StrategyTraits(),
+        "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True),
+        "agent_program": StrategyTraits(multi_turn=True, runs_program=True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "single_turn"),
+        (["agent.enable=false"], "single_turn"),
+        (["agent.enable=true"], "agent_loop"),
+        (["agent.enable=true", f"agent.program={PROGRAM}"], "agent_program"),
+        ([f"agent.program={PROGRAM}"], "agent_program"),
+        (["agent.enable=false", f"agent.program={PROGRAM}"], "agent_program"),
+    ],
+)
+def test_the_keys_resolve_to_one_strategy(overrides: list[str], expected: str) -> None:
+    cfg = load_config(overrides=overrides)
+    assert rollout_strategy(cfg) == expected
+    assert strategy_traits(cfg) == ROLLOUT_STRATEGIES.info(expected)["traits"]
+
+
+def test_agent_only_keys_are_reported_unused_by_the_strategy_selected() -> None:
+    program, loop = "agent.episode_timeout_s=9", "agent.max_turns=2"
+    single = load_config_with_sources(overrides=[loop, program]).warnings
+    assert single == [f"{program}, {loop} are set but agent.enable=false"]
+    alone = load_config_with_sources(overrides=[f"agent.program={PROGRAM}", loop, program])
+    assert alone.warnings == [
+        f"{loop} is set but agent.program runs its own loop and tools (these are the built-in "
+        "loop's)"
+    ]
+    built_in = load_config_with_sources(overrides=["agent.enable=true", loop, program])
+    assert built_in.warnings == [
+        f"{program} is set but agent.program is not set (these are its settings)"
+    ]
+
+
+def test_agent_program_alone_trains_a_step(tmp_path: Path) -> None:
+    """``agent.program`` without ``agent.enable`` (refused before) runs the program."""
+    cfg = tiny_engine_config(
+        tmp_path, f"agent.program={PROGRAM}", "rollout.max_response_length=24",
+        "reward.num_workers=0",
+    )  # fmt: skip
+    assert not cfg.agent.enable
+    RLTrainer(cfg).fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    assert [r["step"] for r in steps] == [1]
+    assert steps[0]["agent/episodes_ok"] == 4 and steps[0]["critic/score/mean"] == 1.0
+
+
+def _agent_key_reads(tree: ast.AST) -> list[int]:
+    """Lines reading ``<x>.agent.enable``/``.program``, or those of a name bound to
+    ``<x>.agent`` or called ``agent_cfg``."""
+    aliases = {"agent_cfg"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.value, "attr", None) == "agent":
+            aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("enable", "program"):
+            base = node.value
+            if (isinstance(base, ast.Attribute) and base.attr == "agent") or (
+                isinstance(base, ast.Name) and base.id in aliases
+            ):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_resolver_reads_agent_enable_and_agent_program() -> None:
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name not in READERS:
+            lines = _agent_key_reads(ast.parse(path.read_text()))
+            offenders += [f"{name}:{line}" for line in lines]
+    assert offenders == []
+
+
+def test_the_read_finder_catches_the_forms() -> None:
+    source = (
+        "if cfg.agent.enable: pass\nx = self.cfg.agent.program\na = cfg.agent\ny = a.enable\n"
+        "z = agent_cfg.program\nw = cfg.reward.reward_model.enable\n"
+    )
+    assert _agent_key_reads(ast.parse(source)) == [1, 2, 4, 5]
