@@ -556,7 +556,7 @@ class AgentConfig:
     keep_kv_cache: bool = True
     """HF engine: keep each sample's KV cache between turns (prefill only new tokens)."""
     program: str | None = None
-    """Your agent, 'file.py:name': async fn(row, client) per trajectory on creditrl's endpoint."""
+    """Your agent 'file.py:name' (async fn(row, client) per trajectory); selects it alone."""
     max_concurrent_episodes: int = field(default=16, metadata=meta(range=AT_LEAST_1))
     """agent.program: episodes running at once."""
     episode_timeout_s: float = field(default=300.0, metadata=meta(range=POSITIVE))
