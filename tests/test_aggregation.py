@@ -120,7 +120,9 @@ def test_micro_batches_accumulate_full_batch_gradient(mode: str, name: str) -> N
             return agg_loss(-adv[sl] * param[sl], mask[sl], mode, **norms)
         fn = get_policy_loss(name)
         args = (old[sl], param[sl], adv[sl], mask[sl], mode)
-        return fn(*args, rollout_is_weights=weights[sl], **norms)[0]
+        # fields a loss declares it reads (distill: the teacher's log-probs)
+        extra = {k: old[sl] - 0.5 for k in POLICY_LOSSES.info(name).get("requires", ())}
+        return fn(*args, rollout_is_weights=weights[sl], **norms, **extra)[0]
 
     full = logp.clone().requires_grad_(True)
     full_loss = loss_fn(slice(None), full)

@@ -30,7 +30,7 @@ def make_batch(seed: int = 0, b: int = 4, t: int = 6, spread: float = 0.0):
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert set(POLICY_LOSSES.names()) == set(LOSS_NAMES)
+    assert set(POLICY_LOSSES.names()) == {*LOSS_NAMES, "distill"}  # distill: test_distill_core
     assert get_policy_loss("vanilla") is get_policy_loss("ppo")
     with pytest.raises(KeyError, match=r"unknown policy loss 'nope'.*'cispo'.*'ppo'"):
         get_policy_loss("nope")

@@ -27,6 +27,7 @@ from creditrl.core.aggregation import (
     global_normalisers,
     register_loss_agg,
 )
+from creditrl.core.distill import compute_policy_loss_distill, distill_term
 from creditrl.core.entropy import entropy_from_logits, log_probs_from_logits
 from creditrl.core.kl import (
     KL_CONTROLLERS,
@@ -90,6 +91,7 @@ __all__ = [
     "compute_mismatch_metrics",
     "compute_opo_outcome_advantage",
     "compute_policy_loss_cispo",
+    "compute_policy_loss_distill",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_ppo",
@@ -101,6 +103,7 @@ __all__ = [
     "compute_rollout_corr_metrics",
     "compute_rollout_importance_weights",
     "compute_value_loss",
+    "distill_term",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_controller",

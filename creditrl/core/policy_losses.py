@@ -48,14 +48,15 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
 def register_policy_loss(
-    name: str, *aliases: str, options: tuple[Any, ...] = ()
+    name: str, *aliases: str, options: tuple[Any, ...] = (), requires: tuple[str, ...] = ()
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` and each alias. ``options``: the
     ``actor.*`` settings it reads from its ``PolicyLossConfig`` (``clip_ratio_c``, ``tau_pos``,
     ...; one it does not read draws a warning when set, and ``explain`` shows only these), and
     ``creditrl.config.Option``s of its own, set as ``actor.policy_loss_kwargs.NAME`` and read
-    as ``config.kwargs[NAME]``."""
-    return POLICY_LOSSES.register(name, *aliases, options=tuple(options))
+    as ``config.kwargs[NAME]``. ``requires``: further (B, T) batch fields it reads, passed as
+    keyword arguments of those names (``("teacher_log_prob",)`` for ``distill``)."""
+    return POLICY_LOSSES.register(name, *aliases, options=tuple(options), requires=tuple(requires))
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

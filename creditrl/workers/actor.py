@@ -11,6 +11,7 @@ import torch
 from creditrl.batch import Batch, require
 from creditrl.config import ActorConfig
 from creditrl.core import (
+    POLICY_LOSSES,
     PolicyLossConfig,
     agg_loss,
     compute_rollout_corr_metrics,
@@ -82,6 +83,8 @@ class ActorWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.loss_cfg = policy_loss_config(cfg)
         get_policy_loss(cfg.policy_loss)  # fail at start on an unknown name
+        # further batch fields the loss reads, passed by name (register_policy_loss(requires=))
+        self.loss_inputs = tuple(POLICY_LOSSES.info(cfg.policy_loss).get("requires", ()))
         self.autocast = resolve_autocast(cfg.autocast, self.device.type)
         if cfg.max_token_len_per_device < 1:
             raise ValueError(
@@ -140,7 +143,7 @@ class ActorWorker:
         log-prob and update passes disagree)."""
         if self.optimizer is None:
             raise RuntimeError("this ActorWorker was built with trainable=False")
-        need = ["responses", "response_mask", "old_log_probs", "advantages"]
+        need = ["responses", "response_mask", "old_log_probs", "advantages", *self.loss_inputs]
         if self.cfg.use_kl_loss:
             need.append("ref_log_prob")
         require(batch, "input_ids", "attention_mask", "position_ids", *need)
@@ -218,6 +221,7 @@ class ActorWorker:
                 self.loss_cfg,
                 weights,
                 **agg,
+                **{name: micro[name] for name in self.loss_inputs},
             )
             loss = pg_loss
             entropy_loss = agg_loss(entropy, m, cfg.loss_agg_mode, **agg)
