@@ -102,6 +102,16 @@ def _loss_reads(cfg: Config, option: str) -> bool:
     return _declared(cfg, "POLICY_LOSSES", cfg.actor.policy_loss, option)
 
 
+def _loss_reads_teacher(cfg: Config) -> bool:
+    """The configured policy loss declared ``requires=("teacher_log_prob",)``."""
+    from creditrl.core import POLICY_LOSSES
+
+    name = cfg.actor.policy_loss
+    return name in POLICY_LOSSES and "teacher_log_prob" in POLICY_LOSSES.info(name).get(
+        "requires", ()
+    )
+
+
 def uses_critic(cfg: Config) -> bool:
     """The configured estimator requires ``values`` (so a critic is built)."""
     return _declares(cfg, "requires", "values")
@@ -266,6 +276,13 @@ def _check_combinations(cfg: Config) -> None:
             f"{cfg.rollout.val_n} identical greedy answers (pass@k would equal mean@1); set "
             "rollout.val_temperature > 0 or rollout.val_n=1"
         )
+    static = cfg.rollout.engine_kwargs.get("decode_cache")
+    if static == "static" and _strategy(cfg).multi_turn and cfg.agent.keep_kv_cache:
+        raise ConfigError(
+            "rollout.engine_kwargs.decode_cache=static decodes from a preallocated KV cache, "
+            "which cannot keep a turn's KV for the next (agent.keep_kv_cache=true); set "
+            "agent.keep_kv_cache=false or decode_cache=auto"
+        )
     if not cfg.data.task and not cfg.data.train_files:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
 
@@ -286,6 +303,15 @@ def _check_paths(cfg: Config) -> None:
         )
 
 
+def _check_distill(cfg: Config) -> None:
+    """``creditrl.config.teacher_check.check_distill`` with what the registries declare."""
+    from creditrl.agents.tasks import AGENT_TASKS
+    from creditrl.config.teacher_check import check_distill
+
+    agent_task = cfg.data.task in AGENT_TASKS and not cfg.data.train_files
+    check_distill(cfg, _loss_reads_teacher(cfg), agent_task)
+
+
 def import_extensions(cfg: Config) -> None:
     """Import ``trainer.extensions`` (once per process), so what they register is known."""
     for target in cfg.trainer.extensions:
@@ -303,6 +329,7 @@ def validate_config(cfg: Config, *, import_code: bool = True) -> None:
     _check_numbers(cfg)
     _check_combinations(cfg)
     _check_paths(cfg)
+    _check_distill(cfg)
 
 
 # (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
@@ -369,6 +396,24 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
             lambda c, s=section: f"algorithm.{s}.enable=false",
         )
         for section in ("rollout_is", "filter_groups", "overlong_buffer")
+    ),
+    (
+        lambda c: c.distill.teacher is None,
+        ("distill.",),
+        lambda c: "distill.teacher is not set (no distillation)",
+    ),
+    (
+        lambda c: c.distill.teacher is not None and _loss_reads_teacher(c),
+        ("distill.coef", "distill.combine"),
+        lambda c: (
+            f"actor.policy_loss={c.actor.policy_loss} trains on the teacher's log-probs "
+            "alone (these shape the rewards it does not read)"
+        ),
+    ),
+    (
+        lambda c: c.distill.teacher_prompt != "few_shot",
+        ("distill.teacher_few_shot",),
+        lambda c: f"distill.teacher_prompt={c.distill.teacher_prompt}",
     ),
     (
         lambda c: not c.reward.reward_model.enable,

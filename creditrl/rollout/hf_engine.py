@@ -24,6 +24,10 @@ Two CPU measures, measured in ``benchmarks/bench_rollout.py`` (2 cores, SmolLM2-
 tokens): the KV cache's full-attention layers write in place (``rollout.kv_cache``), and
 float32 ``nn.Linear`` calls on few rows use the weight-major product (``rollout.cpu_kernels``).
 
+On CUDA, decode runs from a static KV cache as a captured CUDA graph
+(``rollout.cuda_graph``; ``rollout.engine_kwargs.decode_cache``): finished rows then stay in the
+batch, fed the pad id, so the graph's shape never changes.
+
 The module-level ``FAST_DECODE`` and ``TREE_PREFILL`` (and ``cpu_kernels.SMALL_BATCH_ROWS``)
 are the defaults of the engine's ``fast_decode``, ``tree_prefill`` and ``small_batch_rows``
 arguments, read when an engine is built, so engines in one process can differ. The sampling
@@ -44,10 +48,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
+from creditrl.config.options import Option
 from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
 from creditrl.rollout import cpu_kernels
 from creditrl.rollout.cpu_kernels import weight_major_linears
+from creditrl.rollout.cuda_graph import StaticDecoder, StaticDecodeStep, static_decode_unsupported
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
@@ -62,7 +68,7 @@ from creditrl.rollout.sampling import (
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
 
-__all__ = ["FAST_DECODE", "TREE_PREFILL", "HFRolloutEngine", "prompt_keys"]
+__all__ = ["DECODE_CACHE", "FAST_DECODE", "TREE_PREFILL", "HFRolloutEngine", "prompt_keys"]
 
 _PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
 _STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_rows", "decode_steps")
@@ -72,6 +78,16 @@ _STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_row
 FAST_DECODE = True
 # prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
+
+DECODE_CACHE = Option(
+    "decode_cache",
+    "auto",
+    "'static': decode from a preallocated KV cache, captured as a CUDA graph on CUDA (eager on "
+    "the CPU); 'dynamic': finished rows leave the cache; 'auto': static for CUDA models that "
+    "allow it. 'static' with agent.keep_kv_cache is refused",
+    choices=("auto", "static", "dynamic"),
+)
+"""The engine's option ``rollout.engine_kwargs.decode_cache`` (``rollout.cuda_graph``)."""
 
 
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -100,7 +116,10 @@ class HFRolloutEngine(RolloutEngine):
     ``LlamaDecoder``; ``tree_prefill`` (default ``TREE_PREFILL``) prefills distinct prompts as
     one token trie where it pays; ``small_batch_rows`` (default
     ``cpu_kernels.SMALL_BATCH_ROWS``; 0: off) bounds the rows of the weight-major ``nn.Linear``
-    product. Each changes speed only, not the function sampled.
+    product; ``decode_cache`` (default ``cfg.engine_kwargs["decode_cache"]``, else 'auto')
+    decodes from a static KV cache, captured as a CUDA graph on CUDA ('auto': CUDA models
+    only; ``rollout.cuda_graph``). Each changes speed only, not the function sampled (to float
+    rounding).
 
     ``last_stats`` describes the latest generate(): ``prefill_s``, ``decode_s`` (seconds),
     ``prefill_rows`` (distinct prompts prefilled), ``prefill_tokens`` (the positions pushed
@@ -111,6 +130,7 @@ class HFRolloutEngine(RolloutEngine):
 
     samples_with_actor_module = True
     exact_log_probs = True
+    options = (DECODE_CACHE,)
 
     def __init__(
         self,
@@ -124,6 +144,7 @@ class HFRolloutEngine(RolloutEngine):
         fast_decode: bool | None = None,
         tree_prefill: bool | None = None,
         small_batch_rows: int | None = None,
+        decode_cache: str | None = None,
     ) -> None:
         if cfg.max_response_length < 1:
             raise ValueError(
@@ -142,6 +163,10 @@ class HFRolloutEngine(RolloutEngine):
         self.small_batch_rows = (
             cpu_kernels.SMALL_BATCH_ROWS if small_batch_rows is None else small_batch_rows
         )
+        if decode_cache is None:
+            decode_cache = cfg.engine_kwargs.get(DECODE_CACHE.name, DECODE_CACHE.default)
+        self.decode_cache = DECODE_CACHE.check(decode_cache, "rollout.engine_kwargs.decode_cache")
+        self._static: list[StaticDecoder] = []  # shared with capped() views
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         eos = eos_token_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
@@ -217,7 +242,7 @@ class HFRolloutEngine(RolloutEngine):
         """Whether a turn's KV can be kept and continued (``generate_with_turn_cache``): every
         cache layer of the model is a full-attention ``PreallocatedLayer``, and ``generate`` is
         this class's own (a subclass that changes it must not be bypassed by the kept path)."""
-        if type(self).generate is not HFRolloutEngine.generate:
+        if type(self).generate is not HFRolloutEngine.generate or self.decode_cache == "static":
             return False
         cache = preallocated_cache(self.model, 1)
         return bool(cache.layers) and all(type(x) is PreallocatedLayer for x in cache.layers)
@@ -252,7 +277,10 @@ class HFRolloutEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.inference_mode(), weight_major_linears(self.model, self.small_batch_rows):
-                decoder = LlamaDecoder.for_model(self.model) if self.fast_decode else None
+                static = self._static_decoder() if turn_cache is None else None
+                decoder = None
+                if self.fast_decode and static is None:
+                    decoder = LlamaDecoder.for_model(self.model)
                 for start in range(0, len(ids), size):
                     rows = slice(start, start + size)
                     plan = None
@@ -269,6 +297,7 @@ class HFRolloutEngine(RolloutEngine):
                             None if seeds is None else seeds[rows],
                             plan,
                             decoder,
+                            static,
                         )
                     )
         finally:
@@ -277,7 +306,30 @@ class HFRolloutEngine(RolloutEngine):
         if device.type != "cpu":
             out = out.to("cpu")
         self.last_stats["response_tokens"] = float(out["response_mask"].sum())
+        self.last_stats["static_decode"] = float(static is not None)
+        self.last_stats["graph_decode"] = float(static is not None and static.graph)
         return out
+
+    def _static_decoder(self) -> StaticDecoder | None:
+        """The static-cache decoder of the model when ``decode_cache`` selects it ('static';
+        'auto': a CUDA model), built once and shared with ``capped`` views; ValueError with
+        'static' for a model it cannot take (``static_decode_unsupported``)."""
+        if self.decode_cache == "dynamic":
+            return None
+        reason = static_decode_unsupported(self.model)
+        if self.decode_cache == "auto" and (reason is not None or self.model.device.type != "cuda"):
+            return None
+        if reason is not None:
+            raise ValueError(
+                f"rollout.engine_kwargs.decode_cache=static cannot take this model: {reason}"
+            )
+        if not self._static or self._static[0].model is not self.model:
+            self._static[:] = [
+                StaticDecoder(
+                    self.model, self.cfg.micro_batch_size, self._cache_keyword, self.pad_token_id
+                )
+            ]
+        return self._static[0]
 
     def _forward(self, ids, mask, positions, cache, last_only: bool) -> torch.Tensor:
         kwargs = {"logits_to_keep": 1} if last_only and self._keeps_last_logits else {}
@@ -366,20 +418,27 @@ class HFRolloutEngine(RolloutEngine):
         seeds: torch.Tensor | None = None,
         turns: TurnPrefill | None = None,
         decoder: LlamaDecoder | None = None,
+        static: StaticDecoder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch; with
         ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed. With
         ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
         finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode steps instead
-        of the model's forward when given."""
+        of the model's forward when given; ``static`` (without ``turns``) runs them from its
+        static cache, finished rows kept in the batch and fed the pad id."""
         m, device, max_new = len(ids), ids.device, params.max_new_tokens
         stats, start = self.last_stats, time.perf_counter()
+        fixed: StaticDecodeStep | None = None
         if turns is None:
             first_real = int((mask.sum(0) > 0).long().argmax())
             ids, mask = ids[:, first_real:], mask[:, first_real:]
             positions = positions[:, first_real:]
             cache, logits = self._prefill(ids, mask, positions, max_new)
             next_position = positions[:, -1] + 1
+            if static is not None:
+                fixed = static.step_for(m, ids.shape[1] + max_new)
+                fixed.load(cache, mask)
+                del cache
         else:
             new_cache = partial(preallocated_cache, self.model)
             cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
@@ -423,6 +482,12 @@ class HFRolloutEngine(RolloutEngine):
                     turns.keep(rows[at], at, step, cache, mask, responses)
             if last:
                 break
+            if fixed is not None:
+                logits = fixed.step(tokens.masked_fill(~alive, self.pad_token_id), next_position)
+                next_position = next_position + 1
+                stats["decode_rows"] += m
+                stats["decode_steps"] += 1
+                continue
             if self.remove_finished and not bool(alive.all()):
                 keep = alive.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
