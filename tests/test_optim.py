@@ -1,4 +1,7 @@
-"""AdamW: the fused CPU kernel gives the foreach kernel's update; the schedule's factors."""
+"""AdamW: the fused kernel gives the foreach kernel's update (CPU; CUDA when marked gpu);
+the kernel choice; the schedule's factors."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,9 +10,22 @@ from creditrl.config import OptimConfig
 from creditrl.workers.optim import build_optimizer, implementation, lr_factor
 
 
-def test_fused_cpu_adamw_equals_foreach() -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
+            ],
+        ),
+    ],
+)
+def test_fused_adamw_equals_foreach(device: str) -> None:
     torch.manual_seed(0)
-    start = [torch.randn(64, 32), torch.randn(32)]
+    start = [torch.randn(64, 32, device=device), torch.randn(32, device=device)]
     grads = [[torch.randn_like(t) for t in start] for _ in range(4)]
     results = []
     for kernel in ({"fused": True}, {"foreach": True}):
@@ -33,6 +49,19 @@ def test_build_optimizer_picks_fused_for_plain_cpu_parameters() -> None:
     assert implementation([torch.nn.Parameter(torch.zeros(2, dtype=torch.long), False)]) == {
         "foreach": True
     }
+
+
+def test_fused_adamw_on_cuda_and_foreach_for_mixed_devices() -> None:
+    """The choice reads each parameter's device, dtype and sharding (stand-ins: no GPU here)."""
+
+    def param(device: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            device=torch.device(device), data=torch.zeros(1), dtype=torch.bfloat16
+        )
+
+    assert implementation([param("cuda"), param("cuda")]) == {"fused": True}
+    assert implementation([param("cuda"), param("cpu")]) == {"foreach": True}
+    assert implementation([param("meta")]) == {"foreach": True}
 
 
 def test_lr_factor_warmup_then_cosine() -> None:
