@@ -410,6 +410,8 @@ class TrainerConfig:
     """'local' (one process) or 'ray' (trainer.workers ranks as Ray actors)."""
     device: str = field(default="auto", metadata=meta(choices=("auto", "cpu", "cuda")))
     """Where models and batches live: 'auto' (CUDA when visible), 'cpu' or 'cuda'."""
+    device_peak_tflops: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
+    """Peak dense bf16 TFLOP/s of one device, for perf/mfu; null: a known GPU's (H100, A100...)."""
     workers: int = field(default=1, metadata=meta(range=AT_LEAST_1))
     """Data-parallel ranks (Ray actors), each holding actor, rollout, reference (+ critic)."""
     strategy: str = field(default="ddp", metadata=meta(choices=("ddp", "fsdp2")))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from creditrl.models import (
 from creditrl.pipeline.plan import Plan
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.rollout.strategies import build_rollout
+from creditrl.tracking.mfu import device_peak_flops, mfu_metrics
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
@@ -315,13 +317,22 @@ class HybridWorker:
 
     def update_actor(self, batch: Batch, temperature: float) -> dict[str, float]:
         """PPO epochs on this rank's shard; gradients are summed over ranks. With the step's
-        peak GPU memory per stage (``StageMemory.metrics``; none on the CPU)."""
+        peak GPU memory per stage (``StageMemory.metrics``; none on the CPU) and the update's
+        ``perf/mfu`` and ``perf/update_tokens_per_s`` on this rank (``tracking.mfu``)."""
+        start = time.perf_counter()
         with self.memory.stage("update_actor"):
             metrics = self.actor.update_policy(
                 self.placement.to_device(batch), temperature, self.actor_n
             )
+        if self.placement.device.type == "cuda":  # the last optimizer step included
+            torch.cuda.synchronize(self.placement.device)
+        seconds = time.perf_counter() - start
         self.sync_rollout_weights()
-        return {**_reduce(metrics), **self.memory.metrics()}
+        tokens = int(batch["attention_mask"].sum()) * self.cfg.actor.ppo_epochs
+        params = sum(p.numel() for p in self.actor.model.parameters())
+        peak = device_peak_flops(self.placement.device, self.cfg.trainer.device_peak_tflops)
+        mfu = mfu_metrics(params, tokens, seconds, peak)
+        return {**_reduce(metrics), **self.memory.metrics(), **mfu}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss epochs on this rank's shard, with the peak GPU memory so far this step."""
