@@ -64,25 +64,28 @@ def _step(learner: Learner, groups: list[Batch]) -> dict[str, float]:
 
 
 def test_async_ppo_critic_warmup_updates_only_the_critic_first(tmp_path: Path) -> None:
-    """trainer.critic_warmup=1: step 1 trains the critic alone (the actor's weights and actor/*
-    metrics unchanged/absent), step 2 trains both; critic/* metrics every step (the learner
-    used to update the actor from step 1 and log no critic/values)."""
-    learner = _learner(tmp_path, *PPO, "trainer.critic_warmup=1", "trainer.total_steps=2")
+    """trainer.critic_warmup=2: steps 1 and 2 train the critic alone (the actor's weights
+    unchanged, no actor update metric), step 3 trains both; critic/* metrics every step (the
+    learner used to update the actor from step 1 and log no critic/values)."""
+    learner = _learner(tmp_path, *PPO, "trainer.critic_warmup=2", "trainer.total_steps=3")
     actor = learner.actor.model
     before = copy.deepcopy(actor.state_dict())
     critic = copy.deepcopy(learner.workers.worker.critic.model.state_dict())
-    first = _step(learner, _groups(0, 0))
-    # the KL-in-reward stage's actor/reward_kl_penalty* only: no update metric
-    assert {k for k in first if k.startswith("actor/")} <= KL_IN_REWARD
-    for name, value in actor.state_dict().items():
-        assert torch.equal(value, before[name]), name
-    moved = learner.workers.worker.critic.model.state_dict()
-    assert any(not torch.equal(moved[k], v) for k, v in critic.items())
-    second = _step(learner, _groups(2, learner.version))
+    steps = []
+    for first_seq in (0, 2):
+        steps.append(_step(learner, _groups(first_seq, learner.version)))
+        # the KL-in-reward stage's actor/reward_kl_penalty* only: no update metric
+        assert {k for k in steps[-1] if k.startswith("actor/")} <= KL_IN_REWARD
+        for name, value in actor.state_dict().items():
+            assert torch.equal(value, before[name]), name
+        moved = learner.workers.worker.critic.model.state_dict()
+        assert any(not torch.equal(moved[k], v) for k, v in critic.items())
+        critic = copy.deepcopy(moved)
+    steps.append(_step(learner, _groups(4, learner.version)))
     learner.publisher.wait()
-    assert "actor/pg_loss" in second
+    assert "actor/pg_loss" in steps[-1]
     assert any(not torch.equal(v, before[k]) for k, v in actor.state_dict().items())
-    for metrics in (first, second):
+    for metrics in steps:
         assert {"critic/vf_loss", "critic/values/mean", "critic/vf_explained_var"} <= set(metrics)
 
 

@@ -87,7 +87,7 @@ from creditrl.pipeline.step import (
     StepPipeline,
     build_reward_manager,
     build_run_datasets,
-    rollout_log_probs_are_actors,
+    rollout_log_probs_reusable,
 )
 from creditrl.pipeline.training_half import TrainingHalf
 from creditrl.plain_text import as_text
@@ -145,9 +145,9 @@ class Learner:
         self.use_ref = needs_reference(cfg)
         # the behaviour log-probs of rows sampled by the current version are exactly this
         # policy's when the engine samples the actor's distribution (no IS needed there)
-        self.reuse_behaviour = cfg.actor.use_rollout_log_probs and rollout_log_probs_are_actors(cfg)
+        self.reuse_behaviour = rollout_log_probs_reusable(cfg)  # as `creditrl train` decides
         algorithm = cfg.algorithm
-        if a.old_log_probs == "learner":  # stale rows are corrected by rollout IS weights
+        if a.old_log_probs == "learner" and a.max_staleness > 0:  # stale rows: rollout IS
             rollout_is = dataclasses.replace(cfg.algorithm.rollout_is, enable=True)
             algorithm = dataclasses.replace(cfg.algorithm, rollout_is=rollout_is)
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)

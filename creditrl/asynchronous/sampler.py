@@ -7,8 +7,10 @@ One batch of the loop, top to bottom (``Sampler.run``):
    ones too, logged and counted: a rejected group is never resent; ``stop`` ends the loop;
    ``disconnected`` ends it with exit code 1; a new learner incarnation means it restarted:
    resend everything unacknowledged);
-2. wait while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging);
-3. load the newest published weights, if newer (between batches, never inside one);
+2. load the newest published weights, if newer (between batches, never inside one); wait
+   while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
+   batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
+3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
 4. ``produce``: draw prompts, the generation half of the step pipeline (any registered engine,
    or the agent loop over it; the greedy baseline when the estimator requires one; the
    reward manager ``creditrl train`` uses), reference log-probs (``ref_on=sampler``), split
@@ -27,7 +29,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 
@@ -51,8 +52,7 @@ from creditrl.asynchronous.transport import SamplerSocket
 from creditrl.asynchronous.weights import WeightSubscriber
 from creditrl.batch import Batch
 from creditrl.config import Config
-from creditrl.data import ResumableSampler, collate_prompts
-from creditrl.pipeline import stages
+from creditrl.data import ResumableSampler
 from creditrl.pipeline.step import (
     StepPipeline,
     build_reward_manager,
@@ -62,6 +62,7 @@ from creditrl.pipeline.step import (
 from creditrl.plain_text import as_text
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import Timer, Tracker
+from creditrl.trainers.prompts import batch_seed, prompt_batch
 from creditrl.workers.hybrid import HybridWorker
 
 __all__ = ["Sampler", "trim_group"]
@@ -128,6 +129,7 @@ class Sampler:
             self.data.load_state_dict(self.outbox.data_state)
         self.tracker = Tracker(self.outbox.dir, ["jsonl"], {}, self.sampler_id)
         self.incarnation: str | None = None
+        self.learner_version = 0  # the learner's weight version, as last heard
         self.last_heard = time.monotonic()
         self.stopped = False
         self.exit_code = 0
@@ -144,14 +146,10 @@ class Sampler:
         timing: dict[str, float] = {}
         start = time.perf_counter()
         rows = [self.train_data[i] for i in next(self.data)]
-        prompts = collate_prompts(rows, self.tokenizer.pad_token_id)
         first = self.outbox.next_seq
-        prompts["uid"] = [f"{self.sampler_id}:{first + k}" for k in range(len(rows))]
-        prompts = prompts.repeat(self.n, interleave=True)
-        seed = int(
-            np.random.SeedSequence([self.cfg.trainer.seed, self.index, first]).generate_state(1)[0]
-        )
-        stages.add_sample_seeds(prompts, np.random.default_rng(seed))
+        uids = [f"{self.sampler_id}:{first + k}" for k in range(len(rows))]
+        seed = batch_seed(self.cfg.trainer.seed, self.index, first)
+        prompts = prompt_batch(rows, self.tokenizer.pad_token_id, self.n, uids, seed)
         batch, future = self.pipeline.generation_half(prompts, self.batches, timing, seed=seed)
         metrics = self.pipeline.score(batch, future, timing, "reward")
         if self.with_ref:
@@ -264,6 +262,9 @@ class Sampler:
             self.stopped = True
             self.exit_code = 1
             return
+        version = message.header.get("weight_version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            self.learner_version = version
         if incarnation is not None and incarnation != self.incarnation:
             restarted = self.incarnation is not None
             self.incarnation = incarnation
@@ -289,6 +290,17 @@ class Sampler:
                 return got
             got = True
             self._on_message(message)
+
+    def _fresh_enough(self) -> bool:
+        """A batch sampled now can be trained: the learner's version as last heard, plus one
+        step per ``data.train_batch_size`` groups of this sampler still unacknowledged (the
+        learner trains the oldest first), exceeds the version held by at most
+        ``asynchronous.max_staleness``. Otherwise the learner would drop it as stale, so the
+        sampler waits for newer weights instead (at ``max_staleness=0`` it samples each batch
+        with the weights of the step that trains on it, as ``creditrl train`` does)."""
+        ahead = len(self.outbox.pending()) // self.cfg.data.train_batch_size
+        staleness = max(self.learner_version, self.version) + ahead - self.version
+        return staleness <= self.cfg.asynchronous.max_staleness
 
     def step(self) -> None:
         """Produce one batch of groups, journal them, and send them."""
@@ -324,7 +336,9 @@ class Sampler:
                 self._drain(0.0)
                 if self.stopped:
                     break
-                if len(self.outbox.pending()) >= self.max_inflight:
+                self.version = self._load_weights(self.version)
+                busy = len(self.outbox.pending()) >= self.max_inflight
+                if busy or not self._fresh_enough():
                     silent = time.monotonic() - self.last_heard
                     if silent > a.data_timeout_s:
                         self.console.print(
@@ -337,10 +351,8 @@ class Sampler:
                             ),
                         )
                         return 1
-                    if (
-                        not self._drain(min(a.ping_s, 1.0))
-                        and time.monotonic() - last_ping > a.ping_s
-                    ):
+                    wait = min(a.ping_s, 1.0) if busy else 0.05  # an ack, or new weights
+                    if not self._drain(wait) and time.monotonic() - last_ping > a.ping_s:
                         self._hello()
                         last_ping = time.monotonic()
                     continue

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 
@@ -18,7 +17,7 @@ from creditrl.batch import Batch, balance_batch
 from creditrl.config import Config
 from creditrl.config.loader import save_resolved_config, to_dict
 from creditrl.controller import build_worker_group
-from creditrl.data import ResumableSampler, collate_prompts
+from creditrl.data import ResumableSampler
 from creditrl.errors import DataError, NothingToLearnError
 from creditrl.models import load_tokenizer, resolve_model_path
 from creditrl.pipeline import stages
@@ -38,6 +37,7 @@ from creditrl.tracking import (
     TrainingProgress,
 )
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
+from creditrl.trainers.prompts import batch_seed, prompt_batch
 from creditrl.trainers.run_lock import RunLock
 from creditrl.trainers.schedule import Schedule
 from creditrl.workers.placement import check_device, describe, device_type
@@ -117,7 +117,7 @@ class RLTrainer:
         self.console.print(as_text(describe(cfg), style="dim"))
         choice = autocast_choice(cfg.actor.autocast, device_type(cfg))
         self.console.print(as_text(choice, style="dim"))
-        self.uid_rng = np.random.default_rng(cfg.trainer.seed)
+        self.prompts_drawn = 0  # the stream's place: uids and sample seeds follow from it
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
         save_resolved_config(cfg, self.out / "config.yaml")
@@ -144,7 +144,7 @@ class RLTrainer:
         state = {
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "uid_rng": self.uid_rng.bit_generator.state,
+            "prompts_drawn": self.prompts_drawn,
             "val_before": self.val_before,
             "val_latest": self.val_latest,
         }
@@ -163,7 +163,8 @@ class RLTrainer:
         _, self.step, state = restored
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.uid_rng.bit_generator.state = state["uid_rng"]
+        drawn = state.get("prompts_drawn", self.step * self.cfg.data.train_batch_size)
+        self.prompts_drawn = int(drawn)  # (a checkpoint from before it was saved: estimated)
         self.val_before = _metrics(state.get("val_before"))
         self.val_latest = _metrics(state.get("val_latest"))
         self.tracker.truncate_after(self.step)
@@ -188,13 +189,14 @@ class RLTrainer:
 
     def next_prompts(self) -> Batch:
         """The next prompts from the sampler, one uid each, repeated n times (interleaved),
-        with a ``sample_seed`` and ``traj_id`` per trajectory."""
+        with a ``sample_seed`` and ``traj_id`` per trajectory: drawn as async sampler 0 draws
+        them (``creditrl.trainers.prompts``), so its samples are the same."""
         rows = [self.train_data[i] for i in next(self.sampler)]
-        prompts = collate_prompts(rows, self.tokenizer.pad_token_id)
-        stages.add_uids(prompts, self.uid_rng)
-        prompts = prompts.repeat(self.n, interleave=True)
-        stages.add_sample_seeds(prompts, self.uid_rng)
-        return prompts
+        first = self.prompts_drawn
+        self.prompts_drawn += len(rows)
+        uids = [f"train:{first + k}" for k in range(len(rows))]
+        seed = batch_seed(self.cfg.trainer.seed, 0, first)
+        return prompt_batch(rows, self.tokenizer.pad_token_id, self.n, uids, seed)
 
     def collect(self, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """Generate and score until the batch is full: once, or (DAPO dynamic sampling) until
