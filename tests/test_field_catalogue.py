@@ -43,7 +43,7 @@ VALIDATOR_COLUMNS = {
     "ground_truth": None, "data_source": (str,), "extra_info": (dict,), "index": (int,),
     "reward_extra_info": (dict,), "traj_id": (str,), "tool_calls": (list,),
     "agent_info": (dict,), "messages": (list,), "structured_rewards": (dict,),
-    "tokenization_drift": (dict, type(None)),
+    "tokenization_drift": (dict, type(None)), "teacher_prompt_ids": (list,),
 }  # fmt: skip
 
 
@@ -69,7 +69,8 @@ def test_the_groups_are_the_catalogues() -> None:
     for name in (*EPISODE_FIELDS, *AGENT_FIELDS, *STRUCTURED_FIELDS):
         assert FIELDS[name].wire in ("episode", "agent", "structured")
     # learner-side fields are never accepted from a sampler
-    for name in ("old_log_probs", "advantages", "returns", "values", "staleness", "loss_mask"):
+    for name in ("old_log_probs", "advantages", "returns", "values", "staleness", "loss_mask",
+                 "teacher_log_prob"):  # fmt: skip
         assert FIELDS[name].wire is None and name not in validation._tensors()
 
 

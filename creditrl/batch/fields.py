@@ -157,6 +157,19 @@ _SPECS = [
         wire="optional", kind="log_prob",
     ),
     FieldSpec(
+        "teacher_log_prob", "(B, T)", "float32",
+        "log π_T(y_{j+1} | s^T_{j+1}) at column j: the distillation teacher on its own prompt "
+        "followed by the student's response ids y_1..y_j, from logits[:, -T-1:-1]",
+        "teacher.compute_log_prob (learner)",
+    ),
+    FieldSpec(
+        "teacher_prompt_ids", "(B,)", "object[list[int]]",
+        "the distillation teacher's chat-templated prompt ids when distill.teacher_prompt is not "
+        "'same' (checked for type, range and length before use)",
+        "data loader",
+        wire="optional", json_types=(list,),
+    ),
+    FieldSpec(
         "entropys", "(B, T)", "float32",
         "entropy of π_old(· | s_{j+1}) at column j", "actor.compute_log_prob",
     ),

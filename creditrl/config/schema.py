@@ -572,6 +572,26 @@ class AgentConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``creditrl.core.distill``): a teacher scores every token the
+    student sampled; its per-token reverse-KL term coef * (log p_teacher - log p_student) joins
+    the token-level rewards, or ``actor.policy_loss=distill`` trains on it alone."""
+
+    teacher: str | None = None
+    """null: off; 'self' (the actor's first weights), 'embedded', a model, run or checkpoint dir."""
+    teacher_prompt: str = field(
+        default="same", metadata=meta(choices=("same", "few_shot", "ground_truth"))
+    )
+    """The teacher's prompt: 'same', 'few_shot' (+ data.task examples), 'ground_truth' (+answer)."""
+    teacher_few_shot: int = field(default=1, metadata=meta(range=AT_LEAST_1))
+    """teacher_prompt=few_shot: the worked examples it sees (those data.few_shot=N would show)."""
+    coef: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
+    """Weight of the distillation term in the token-level rewards."""
+    combine: str = field(default="add", metadata=meta(choices=("add", "replace")))
+    """'add' the term to the task reward, or 'replace' the task reward (scores still logged)."""
+
+
+@dataclass
 class Config:
     """Everything a run needs."""
 
@@ -585,3 +605,4 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)

@@ -22,6 +22,7 @@ METHODS: dict[str, tuple[Dispatch, bool]] = {
     "generate": (Dispatch.DP, False),
     "compute_log_prob": (Dispatch.DP, False),
     "compute_ref_log_prob": (Dispatch.DP, False),
+    "compute_teacher_log_prob": (Dispatch.DP, False),
     "compute_values": (Dispatch.DP, False),
     "update_actor": (Dispatch.DP, True),
     "update_critic": (Dispatch.DP, True),
@@ -52,6 +53,10 @@ class WorkerGroup:
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``ref_log_prob``."""
         return self.call("compute_ref_log_prob", batch, temperature=temperature)
+
+    def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Batch:
+        """``teacher_log_prob`` (the distillation teacher's rows: its prompt, the responses)."""
+        return self.call("compute_teacher_log_prob", batch, temperature=temperature)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values``."""

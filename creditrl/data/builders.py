@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from creditrl.config.schema import DataConfig
+from creditrl.config.schema import DataConfig, DistillConfig
 from creditrl.data.dataset import PromptDataset
 from creditrl.data.rows import read_rows_from_files
 from creditrl.data.tasks import build_task_rows
@@ -33,15 +33,26 @@ def validation_notice(cfg: DataConfig) -> str | None:
     return None
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+def build_datasets(
+    cfg: DataConfig, tokenizer: Any, distill: DistillConfig | None = None
+) -> tuple[PromptDataset, PromptDataset | None]:
     """``(train, val)`` from ``cfg.train_files``/``val_files`` if any train file is given
     (their first ``max_train_rows``/``max_val_rows`` rows; ``cfg.task`` is then ignored),
     else from the reasoning-gym task ``cfg.task`` (``train_size`` rows; ``val_size``
-    validation rows, none when 0). ``val`` is None when there is no validation data."""
+    validation rows, none when 0). ``val`` is None when there is no validation data. With
+    ``distill`` (a teacher set), train rows carry the teacher's prompt ids
+    (``distill.teacher_prompt``; ``creditrl.data.teacher``)."""
+    teacher = "same" if distill is None or distill.teacher is None else distill.teacher_prompt
 
     def dataset(rows: list, split: str, origin: str) -> PromptDataset:
         return PromptDataset(
-            rows, tokenizer, cfg.max_prompt_length, cfg.overlong_prompt, split, origin
+            rows,
+            tokenizer,
+            cfg.max_prompt_length,
+            cfg.overlong_prompt,
+            split,
+            origin,
+            teacher if split == "train" else "same",
         )
 
     if cfg.train_files:
@@ -68,6 +79,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
         cfg.seed,
         cfg.system_prompt,
         cfg.few_shot,
+        distill.teacher_few_shot if teacher == "few_shot" else 0,
     )
     train = dataset(rows.train, "train", f"data.task={cfg.task!r} (train)")
     train.num_dropped_overlap = rows.num_dropped_overlap

@@ -18,7 +18,8 @@ def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Bat
     Tensors (B, P), P = the longest prompt, int64: ``input_ids`` LEFT-padded with
     ``pad_token_id``, ``attention_mask`` (1 on real tokens), ``position_ids``
     (``position_ids_from_mask``). Non-tensors: ``raw_prompt``, ``ground_truth``,
-    ``data_source``, ``extra_info``, ``index``. ``meta`` is empty.
+    ``data_source``, ``extra_info``, ``index``, and ``teacher_prompt_ids`` when the rows hold
+    a distillation teacher's prompt. ``meta`` is empty.
     """
     if not rows:
         raise ValueError("collate_prompts needs at least one row")
@@ -38,4 +39,6 @@ def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Bat
         "position_ids": position_ids_from_mask(attention_mask),
     }
     names = ("raw_prompt", "ground_truth", "data_source", "extra_info", "index")
+    if all("teacher_prompt_ids" in row for row in rows):
+        names += ("teacher_prompt_ids",)
     return Batch(tensors, {name: [row[name] for row in rows] for name in names})

@@ -10,6 +10,7 @@ from typing import Any
 from creditrl.batch import Batch
 from creditrl.data.collate import collate_prompts
 from creditrl.data.rows import PromptRow
+from creditrl.data.teacher import teacher_messages
 from creditrl.errors import ConfigError, DataError
 from creditrl.usercode import one_line
 
@@ -50,7 +51,10 @@ class PromptDataset:
 
     ``input_ids`` (list[int], the chat-templated prompt), ``raw_prompt`` (the messages),
     ``ground_truth``, ``data_source``, ``extra_info`` (the row's extra plus ``split``),
-    ``index`` (position in this dataset) and ``source`` (file and row, for humans).
+    ``index`` (position in this dataset) and ``source`` (file and row, for humans); with a
+    ``teacher_prompt`` other than ``same`` (``creditrl.data.teacher``), also
+    ``teacher_prompt_ids``: the distillation teacher's chat-templated prompt, held to the same
+    ``max_prompt_length`` (a row whose teacher prompt is longer is dropped or raises likewise).
 
     Prompts longer than ``max_prompt_length`` tokens are dropped and counted
     (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise DataError
@@ -69,6 +73,7 @@ class PromptDataset:
         overlong_prompt: str = "drop",
         split: str = "train",
         origin: str | None = None,
+        teacher_prompt: str = "same",
     ) -> None:
         if overlong_prompt not in OVERLONG_MODES:
             raise ConfigError(
@@ -117,6 +122,20 @@ class PromptDataset:
                 self.num_dropped_overlong += 1
                 shortest_overlong = min(len(ids), shortest_overlong or len(ids))
                 continue
+            teacher = teacher_messages(row, teacher_prompt)
+            extra: dict[str, Any] = {}
+            if teacher is not None:
+                extra["teacher_prompt_ids"] = chat_prompt_ids(tokenizer, teacher)
+                if len(extra["teacher_prompt_ids"]) > max_prompt_length:
+                    if overlong_prompt == "raise":
+                        raise DataError(
+                            f"{row.source}: the distillation teacher's prompt has "
+                            f"{len(extra['teacher_prompt_ids'])} tokens, more than "
+                            f"data.max_prompt_length={max_prompt_length} "
+                            "(data.overlong_prompt=raise); raise the limit"
+                        )
+                    self.num_dropped_overlong += 1
+                    continue
             self._rows.append(
                 {
                     "input_ids": ids,
@@ -126,6 +145,7 @@ class PromptDataset:
                     "extra_info": {"split": split, **row.extra},
                     "index": len(self._rows),
                     "source": row.source,
+                    **extra,
                 }
             )
         if self.num_dropped_overlong:

@@ -55,6 +55,8 @@ class PromptRow:
     data_source: str
     extra: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # where it came from, for error messages: "data/train.jsonl row 17"
+    # the distillation teacher's messages when they differ (creditrl.data.teacher)
+    teacher_messages: list[dict[str, Any]] | None = None
 
 
 def _present(obj: Mapping[str, Any], key: str) -> bool:

@@ -131,8 +131,10 @@ def _rows(
     seed: int,
     system_prompt: str | None,
     shots: list[dict[str, str]],
+    teacher_shots: list[dict[str, str]] | None = None,
 ) -> list[PromptRow]:
-    """PromptRows from ``(item index, entry)`` pairs."""
+    """PromptRows from ``(item index, entry)`` pairs; with ``teacher_shots``, each row's
+    ``teacher_messages`` show those worked examples instead of ``shots``."""
     return [
         PromptRow(
             messages=task_messages(entry["question"], system_prompt, shots),
@@ -140,6 +142,9 @@ def _rows(
             data_source=f"reasoning_gym/{name}",
             extra={"rg_entry": entry},
             source=f"reasoning_gym/{name} seed {seed} item {i}",
+            teacher_messages=None
+            if teacher_shots is None
+            else task_messages(entry["question"], system_prompt, teacher_shots),
         )
         for i, entry in entries
     ]
@@ -153,9 +158,12 @@ def build_task_rows(
     seed: int,
     system_prompt: str | None = None,
     few_shot: int = 0,
+    teacher_few_shot: int = 0,
 ) -> TaskRows:
     """Generate ``train_size`` train and ``val_size`` validation rows of task ``name``, each
-    prompt led by the same ``few_shot`` worked examples (module docstring).
+    prompt led by the same ``few_shot`` worked examples (module docstring). With
+    ``teacher_few_shot`` > 0 each train row also holds ``teacher_messages``: the prompt that
+    ``few_shot=teacher_few_shot`` would give (a distillation teacher's privileged view).
 
     Train uses ``seed``, validation ``seed + VAL_SEED_OFFSET``; train rows whose question is in
     validation are dropped and counted (logged). ConfigError if no train rows remain.
@@ -169,6 +177,9 @@ def build_task_rows(
     val = _generate(name, kwargs, val_size, val_seed) if val_size else []
     held_out = {entry["question"] for entry in val}
     shots = _shots(name, kwargs, few_shot, seed, held_out)
+    teacher_shots = (
+        _shots(name, kwargs, teacher_few_shot, seed, held_out) if teacher_few_shot else None
+    )
     train = _generate(name, kwargs, train_size, seed)
     kept = [(i, entry) for i, entry in enumerate(train) if entry["question"] not in held_out]
     dropped = len(train) - len(kept)
@@ -185,7 +196,8 @@ def build_task_rows(
             "lower data.val_size or widen data.task_kwargs"
         )
     val_rows = _rows(name, list(enumerate(val)), val_seed, system_prompt, shots)
-    return TaskRows(_rows(name, kept, seed, system_prompt, shots), val_rows, dropped)
+    train_rows = _rows(name, kept, seed, system_prompt, shots, teacher_shots)
+    return TaskRows(train_rows, val_rows, dropped)
 
 
 def score_rg_answer(answer: str | None, rg_entry: dict[str, Any]) -> float:

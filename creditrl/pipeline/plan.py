@@ -33,7 +33,8 @@ class Plan:
     - ``grouped``: it compares the ``rollout.n`` answers to one prompt;
     - ``options``: the ``algorithm.*`` settings it reads;
     - ``needs_ref``: the reference policy's log-probs are needed (KL in the reward or loss);
-    - ``structured_reward``: the reward is spec 001's structured one (``structured_reward``).
+    - ``structured_reward``: the reward is spec 001's structured one (``structured_reward``);
+    - ``needs_teacher``: a distillation teacher scores the sampled tokens (``distill.teacher``).
     """
 
     estimator: str
@@ -43,6 +44,7 @@ class Plan:
     options: tuple[str, ...]
     needs_ref: bool
     structured_reward: bool
+    needs_teacher: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> Plan:
@@ -58,4 +60,5 @@ class Plan:
             options=tuple(info.get("options", ())),
             needs_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
             structured_reward=structured_reward(cfg),
+            needs_teacher=cfg.distill.teacher is not None,
         )

@@ -1,22 +1,26 @@
-"""The stages of a step that need no model: uids and seeds, KL into rewards, DAPO shaping and
-filtering, mismatch metrics, rollout importance weights, advantages. Each reads and writes
-named Batch fields (``READS`` / ``WRITES`` below; names from the field catalogue)."""
+"""The stages of a step that need no model: uids and seeds, the distillation teacher's inputs,
+KL and distillation into rewards, DAPO shaping and filtering, mismatch metrics, rollout
+importance weights, advantages. Each reads and writes named Batch fields (``READS`` /
+``WRITES`` below; names from the field catalogue)."""
 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
 
-from creditrl.batch import Batch
-from creditrl.config import AlgorithmConfig
+from creditrl.batch import Batch, position_ids_from_mask
+from creditrl.config import AlgorithmConfig, DistillConfig
 from creditrl.core import (
     apply_kl_penalty,
     compute_advantage,
     compute_rollout_corr_metrics,
     compute_rollout_importance_weights,
+    distill_term,
     last_valid_index,
+    masked_mean,
 )
 from creditrl.usercode import resolve_adv_estimator
 
@@ -25,12 +29,14 @@ __all__ = [
     "add_uids",
     "apply_overlong_penalty",
     "compute_advantages",
+    "distill_into_rewards",
     "kl_into_rewards",
     "mask_score_only_rows",
     "neutral_score_only_rows",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
     "score_only_rows",
+    "teacher_inputs",
     "varied_groups",
 ]
 
@@ -41,6 +47,20 @@ READS: dict[str, tuple[str, ...]] = {
     "add_uids": (),
     "add_sample_seeds": ("uid",),
     "kl_into_rewards": ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask"),
+    "teacher_inputs": (
+        "prompts",
+        "attention_mask",
+        "responses",
+        "response_mask",
+        "teacher_prompt_ids",
+    ),
+    "distill_into_rewards": (
+        "token_level_rewards",
+        "token_level_scores",
+        "old_log_probs",
+        "teacher_log_prob",
+        "response_mask",
+    ),
     "apply_overlong_penalty": ("token_level_rewards", "response_mask"),
     "rollout_mismatch_metrics": ("old_log_probs", "rollout_log_probs", "response_mask"),
     "rollout_is_weights": ("old_log_probs", "rollout_log_probs", "response_mask"),
@@ -53,12 +73,14 @@ WRITES: dict[str, tuple[str, ...]] = {
     "add_uids": ("uid",),
     "add_sample_seeds": ("sample_seed", "traj_id"),
     "kl_into_rewards": ("token_level_rewards",),
+    "teacher_inputs": (),
+    "distill_into_rewards": ("token_level_rewards",),
     "apply_overlong_penalty": ("token_level_rewards",),
     "rollout_mismatch_metrics": (),
     "rollout_is_weights": ("rollout_is_weights", "loss_mask"),
     "compute_advantages": ("advantages", "returns"),
     "varied_groups": (),
-    "neutral_score_only_rows": ("rollout_log_probs", "ref_log_prob"),
+    "neutral_score_only_rows": ("rollout_log_probs", "ref_log_prob", "teacher_log_prob"),
     "mask_score_only_rows": ("response_mask", "loss_mask", "advantages", "rollout_is_weights"),
 }
 
@@ -134,6 +156,77 @@ def kl_into_rewards(batch: Batch, cfg: AlgorithmConfig, kl_coef: float) -> dict[
     return metrics
 
 
+def _teacher_prompt(value: Any, vocab_size: int, max_length: int) -> list[int] | None:
+    """``value`` as a teacher prompt (a list of 1..``max_length`` token ids below
+    ``vocab_size``), or None when it is not one."""
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= max_length:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    return list(value) if all(0 <= t < vocab_size for t in value) else None
+
+
+def teacher_inputs(
+    batch: Batch, pad_token_id: int, vocab_size: int, max_length: int
+) -> tuple[Batch, torch.Tensor]:
+    """The distillation teacher's rows: its prompt (``teacher_prompt_ids`` when the batch holds
+    them, else the student's own prompt ids) left-padded, then the student's ``responses``
+    exactly as sampled (the same ids and response attention, never re-encoded), with
+    ``position_ids`` and ``response_mask``; so column j of the teacher's log-probs scores
+    y_{j+1}. Also (B,) bool: rows whose ``teacher_prompt_ids`` are not a list of 1..
+    ``max_length`` ids below ``vocab_size`` (they come from a sampler in async runs); those
+    rows are given the student's prompt here, and the caller gives them no term.
+    """
+    width = batch["prompts"].shape[1]
+    student = [
+        row[mask.bool()].tolist()
+        for row, mask in zip(batch["prompts"], batch["attention_mask"][:, :width], strict=True)
+    ]
+    given = batch["teacher_prompt_ids"] if "teacher_prompt_ids" in batch else [None] * len(batch)
+    checked = [_teacher_prompt(v, vocab_size, max_length) for v in given]
+    rejected = torch.tensor(
+        [v is None and g is not None for v, g in zip(checked, given, strict=True)], dtype=torch.bool
+    )
+    prompts = [c if c is not None else s for c, s in zip(checked, student, strict=True)]
+    p = max(map(len, prompts))
+    ids = torch.full((len(batch), p), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), p), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, p - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, p - len(prompt) :] = 1
+    attention = torch.cat([mask, batch["attention_mask"][:, width:].long()], dim=1)
+    rows = Batch(
+        {
+            "input_ids": torch.cat([ids, batch["responses"].long()], dim=1),
+            "attention_mask": attention,
+            "position_ids": position_ids_from_mask(attention),
+            "responses": batch["responses"],
+            "response_mask": batch["response_mask"],
+        }
+    )
+    return rows, rejected
+
+
+def distill_into_rewards(batch: Batch, cfg: DistillConfig) -> dict[str, float]:
+    """The distillation term d_t (``core.distill_term`` of ``teacher_log_prob`` and
+    ``old_log_probs``, 0 where ``response_mask`` is 0) joins
+    ``token_level_rewards``: ``combine=add`` adds coef * d_t; ``replace`` also takes the task's
+    ``token_level_scores`` out (the KL penalty and later shaping stay). Run after
+    ``kl_into_rewards``. Metrics: ``distill/reverse_kl`` (token mean of -d_t, the k1 estimate of
+    KL(student || teacher)), ``distill/teacher_log_prob`` (token mean), ``distill/coef``."""
+    mask = batch["response_mask"]
+    d = distill_term(batch["teacher_log_prob"], batch["old_log_probs"], mask)
+    rewards = batch["token_level_rewards"]
+    if cfg.combine == "replace":
+        rewards = rewards - batch["token_level_scores"].to(rewards.dtype)
+    batch["token_level_rewards"] = rewards + cfg.coef * d.to(rewards.dtype)
+    return {
+        "distill/reverse_kl": float(masked_mean(-d, mask)),
+        "distill/teacher_log_prob": float(masked_mean(batch["teacher_log_prob"], mask)),
+        "distill/coef": float(cfg.coef),
+    }
+
+
 def rollout_is_weights(batch: Batch, cfg: AlgorithmConfig) -> dict[str, float]:
     """Rollout/training mismatch weights ``rollout_is_weights`` and, when the correction
     rejects tokens or vetoes sequences, ``loss_mask`` (``response_mask`` without them), when
@@ -202,14 +295,15 @@ def score_only_rows(batch: Batch) -> torch.Tensor:
 
 
 def neutral_score_only_rows(batch: Batch) -> None:
-    """The placeholder was never sampled: its rollout and reference log-probs become the old
-    ones, so the KL penalty, the mismatch metrics and the importance weights see ratio 1 and
-    KL 0 there and the score-only rows keep exactly their score. Run before the KL stage."""
+    """The placeholder was never sampled: its rollout, reference and teacher log-probs become
+    the old ones, so the KL penalty, the distillation term, the mismatch metrics and the
+    importance weights see ratio 1 and KL 0 there and the score-only rows keep exactly their
+    score. Run before the KL stage."""
     rows = score_only_rows(batch)
     if not bool(rows.any()):
         return
     old = batch["old_log_probs"]
-    for key in ("rollout_log_probs", "ref_log_prob"):
+    for key in ("rollout_log_probs", "ref_log_prob", "teacher_log_prob"):
         if key in batch:
             batch[key][rows] = old[rows].to(batch[key].dtype)
 

@@ -2,10 +2,11 @@
 
 ``generation_half``: generate (engine or agent loop) -> greedy baseline when the estimator
 requires ``reward_baselines`` -> reward. ``training_half``: old log-probs -> reference
-log-probs -> values (when the estimator requires them) -> KL into rewards -> overlong shaping
--> mismatch metrics -> rollout importance weights -> advantages -> critic update -> actor
-update. The synchronous trainer runs both; the async sampler runs the first (plus the
-reference when it computes it) and the learner the second: the same functions, not copies.
+log-probs -> the distillation teacher's log-probs (``distill.teacher``) -> values (when the
+estimator requires them) -> KL and distillation into rewards -> overlong shaping -> mismatch
+metrics -> rollout importance weights -> advantages -> critic update -> actor update. The
+synchronous trainer runs both; the async sampler runs the first (plus the reference when it
+computes it) and the learner the second: the same functions, not copies.
 
 The model calls go through a worker group (``creditrl.controller``: in process or on Ray), so
 the pipeline cannot tell where the models live.
@@ -13,6 +14,7 @@ the pipeline cannot tell where the models live.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ __all__ = [
     "sampled_temperature",
 ]
 
+log = logging.getLogger(__name__)
+
 
 def sampled_temperature(batch: Batch, cfg: Config) -> float:
     """The temperature ``batch`` was sampled at (``meta["temperature"]``, written by
@@ -50,13 +54,18 @@ def sampled_temperature(batch: Batch, cfg: Config) -> float:
 
 
 def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
-    """(train, validation) datasets of ``cfg``: an agent task's, or the data section's."""
+    """(train, validation) datasets of ``cfg``: an environment's (``env.verifiers``), an agent
+    task's, or the data section's."""
     from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
     from creditrl.data import build_datasets
 
+    if cfg.env.verifiers is not None:
+        from creditrl.environments.verifiers import environment_datasets
+
+        return environment_datasets(cfg, tokenizer)
     if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
         return build_agent_datasets(cfg, tokenizer)
-    return build_datasets(cfg.data, tokenizer)
+    return build_datasets(cfg.data, tokenizer, cfg.distill)
 
 
 def build_reward_manager(cfg: Config, tokenizer: Any) -> Any:
@@ -209,6 +218,10 @@ class StepPipeline:
                 batch = batch.union(
                     self.workers.compute_ref_log_prob(batch, sampled_temperature(batch, cfg))
                 )
+        if plan.needs_teacher and "teacher_log_prob" not in batch:
+            with Timer("teacher", timing):
+                batch, rejected = self.teacher_log_probs(batch)
+            metrics["distill/rejected_teacher_prompts"] = float(rejected)
         if plan.needs_critic:
             with Timer("values", timing):
                 batch = batch.union(self.workers.compute_values(batch))
@@ -222,15 +235,43 @@ class StepPipeline:
                 metrics.update(self.workers.update_actor(batch, sampled_temperature(batch, cfg)))
         return batch, metrics
 
+    def teacher_log_probs(self, batch: Batch) -> tuple[Batch, int]:
+        """``teacher_log_prob`` of the sampled tokens under the distillation teacher, on its
+        prompt followed by the student's response ids (``stages.teacher_inputs``), and how
+        many rows' ``teacher_prompt_ids`` were refused (logged; their teacher log-probs are
+        the old ones, so they carry no distillation term)."""
+        rows, rejected = stages.teacher_inputs(
+            batch,
+            self.tokenizer.pad_token_id,
+            len(self.tokenizer),
+            self.cfg.data.max_prompt_length,
+        )
+        teacher = self.workers.compute_teacher_log_prob(rows, sampled_temperature(batch, self.cfg))
+        batch["teacher_log_prob"] = teacher["teacher_log_prob"]
+        count = int(rejected.sum())
+        if count:
+            log.warning(
+                "%d row(s) hold teacher_prompt_ids that are not 1..%d token ids below %d: "
+                "trained without a distillation term",
+                count,
+                self.cfg.data.max_prompt_length,
+                len(self.tokenizer),
+            )
+            batch["teacher_log_prob"][rejected] = batch["old_log_probs"][rejected]
+        return batch, count
+
     def advantages(self, batch: Batch) -> dict[str, float]:
-        """KL into rewards -> overlong shaping -> mismatch metrics -> rollout IS -> advantages
-        (the model-free block; ``kl_ctrl`` moves with the measured KL); score-only rows (agent
-        episodes with no model turn) are neutral in the first four and masked out after."""
+        """KL (and distillation) into rewards -> overlong shaping -> mismatch metrics -> rollout
+        IS -> advantages (the model-free block; ``kl_ctrl`` moves with the measured KL);
+        score-only rows (agent episodes with no model turn) are neutral in the first four and
+        masked out after."""
         alg = self.algorithm
         stages.neutral_score_only_rows(batch)
         metrics = stages.kl_into_rewards(batch, alg, self.kl_ctrl.value)
         if "actor/reward_kl_penalty" in metrics:
             self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], len(batch))
+        if "teacher_log_prob" in batch:
+            metrics.update(stages.distill_into_rewards(batch, self.cfg.distill))
         metrics.update(
             stages.apply_overlong_penalty(batch, alg, self.cfg.rollout.max_response_length)
         )

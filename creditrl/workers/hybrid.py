@@ -140,6 +140,9 @@ class HybridWorker:
             self._build_rollout()
         if ("ref" in roles or with_ref) and self.ref is None:
             self.ref = self._frozen(load_reference(self.model_path, cfg.model.dtype))
+        self.teacher: ActorWorker | None = None
+        if "actor" in roles and self.plan.needs_teacher:
+            self._build_teacher()
         if "critic" in roles and self.plan.needs_critic:
             self._build_critic()
 
@@ -204,6 +207,18 @@ class HybridWorker:
         self._build_engine(rollout_model, lora)
         if not samples_with_module:
             self.sync_rollout_weights()
+
+    def _build_teacher(self) -> None:
+        """The distillation teacher, frozen and placed like the reference: ``distill.teacher=
+        self`` shares the reference when there is one and, under LoRA, is the actor with its
+        adapters off (``compute_teacher_log_prob``); else ``creditrl.pipeline.teacher``."""
+        from creditrl.pipeline.teacher import load_teacher
+
+        shares = self.ref is not None or self.cfg.model.lora_rank > 0
+        if self.cfg.distill.teacher == "self" and shares:
+            self.teacher = self.ref
+            return
+        self.teacher = self._frozen(load_teacher(self.cfg))
 
     def _build_rollout(self) -> None:
         cfg = self.cfg
@@ -308,6 +323,22 @@ class HybridWorker:
                 with disabled_adapters(self.actor.model):
                     log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
         return to_cpu(Batch.from_dict({"ref_log_prob": log_probs}))
+
+    def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Batch:
+        """``teacher_log_prob`` of ``batch``'s responses under the distillation teacher, on the
+        rows ``creditrl.pipeline.stages.teacher_inputs`` built (the teacher's prompt, then the
+        student's response ids)."""
+        base = self.cfg.distill.teacher == "self" and self.cfg.model.lora_rank > 0
+        if self.teacher is None and not base:
+            raise RuntimeError("this worker has no distillation teacher (set distill.teacher)")
+        batch = self.placement.to_device(batch)
+        with self.memory.stage("teacher"):
+            if self.teacher is not None:
+                log_probs, _ = self.teacher.compute_log_prob(batch, temperature, False)
+            else:
+                with disabled_adapters(self.actor.model):
+                    log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
+        return to_cpu(Batch.from_dict({"teacher_log_prob": log_probs}))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` V(s_t) of the critic."""

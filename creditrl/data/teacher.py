@@ -1,0 +1,45 @@
+"""A distillation teacher's view of a prompt row (``distill.teacher_prompt``).
+
+``same``: the student's prompt (no separate ids: the teacher reads the student's prompt ids);
+``few_shot``: the row's ``teacher_messages`` (a ``data.task`` row built with worked examples
+the student does not see, ``build_task_rows(teacher_few_shot=...)``); ``ground_truth``: the
+student's messages with the row's ground truth added to the last user message. The teacher's
+prompt is rendered with the student's chat template (the tokenizers must match); the
+response it scores is the student's ids, never re-encoded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from creditrl.data.rows import PromptRow
+
+__all__ = ["GROUND_TRUTH_NOTE", "TEACHER_PROMPTS", "teacher_messages"]
+
+TEACHER_PROMPTS = ("same", "few_shot", "ground_truth")
+GROUND_TRUTH_NOTE = "\n\n(Privileged hint: a correct final answer is {answer}.)"
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def teacher_messages(row: PromptRow, kind: str) -> list[dict[str, Any]] | None:
+    """The teacher's chat messages for ``row`` under ``kind`` (``TEACHER_PROMPTS``); None when
+    the teacher sees the student's prompt (``same``, or a ``few_shot`` row without examples)."""
+    if kind not in TEACHER_PROMPTS:
+        raise ValueError(f"distill.teacher_prompt must be one of {TEACHER_PROMPTS}, got {kind!r}")
+    if kind == "few_shot":
+        return row.teacher_messages
+    if kind == "same":
+        return None
+    messages = copy.deepcopy(row.messages)
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    note = GROUND_TRUTH_NOTE.format(answer=_as_text(row.ground_truth))
+    if users:
+        messages[users[-1]]["content"] += note
+    else:
+        messages.append({"role": "user", "content": note.strip()})
+    return messages

@@ -1,0 +1,54 @@
+"""The on-policy distillation teacher (``distill.teacher``): which weights, loaded frozen.
+
+``self``: the actor's initial weights (``model.path``); ``embedded``: the embedded SmolLM2; a
+model directory (``config.json``); or a run directory or one of its checkpoints, whose actor is
+rebuilt from the run's ``config.yaml`` (read as data: nothing it names is imported) and given
+the checkpoint's weights (LoRA adapters merged). The teacher's tokenizer must be the student's:
+``creditrl.config.validate`` refuses another vocabulary when the config is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from creditrl.config import Config
+from creditrl.errors import ConfigError
+from creditrl.models import load_reference, torch_dtype
+
+__all__ = ["is_run_or_checkpoint", "load_teacher"]
+
+
+def is_run_or_checkpoint(path: Path) -> bool:
+    """``path`` is a run directory (it has ``checkpoints/``) or a ``checkpoints/step_*`` one."""
+    return (path / "checkpoints").is_dir() or path.parent.name == "checkpoints"
+
+
+def _run_actor(path: Path) -> torch.nn.Module:
+    from creditrl.config.run_config import load_run_config
+    from creditrl.exporting.sources import find_checkpoint
+    from creditrl.exporting.weights import load_actor
+
+    ckpt = find_checkpoint(path)
+    model = load_actor(ckpt, load_run_config(ckpt.config_file))
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model
+
+
+def load_teacher(cfg: Config) -> torch.nn.Module:
+    """The frozen teacher ``distill.teacher`` names, in ``model.dtype``, eval mode and
+    ``requires_grad=False``; a one-line ``ConfigError`` when nothing can be loaded from it."""
+    teacher = cfg.distill.teacher
+    if teacher is None:
+        raise ConfigError("distill.teacher is not set: this run has no teacher")
+    if teacher in ("self", "embedded"):
+        source = cfg.model.path if teacher == "self" else "embedded"
+        return load_reference(source, cfg.model.dtype, cfg.model.cache_dir)
+    path = Path(teacher).expanduser()
+    if is_run_or_checkpoint(path):
+        model = _run_actor(path).to(torch_dtype(cfg.model.dtype))
+    else:
+        model = load_reference(path, cfg.model.dtype)
+    return model.requires_grad_(False).eval()
