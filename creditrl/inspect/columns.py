@@ -44,13 +44,19 @@ _ALL = [
            "update (old_log_probs)"),
     Column("ref_log_prob", "logp_ref", "float", "log π_ref(y_t | s_t): the frozen reference "
            "policy (ref_log_prob)"),
+    Column("teacher_log_prob", "logp_T", "float", "log π_T(y_t | s^T_t): the distillation "
+           "teacher on its own prompt followed by the sampled y_1..y_{t-1} (teacher_log_prob)"),
     Column("entropy", "H_t", "float", "entropy of π_old(· | s_t) (entropys)"),
     Column("kl", "kl_t", "float", "kl_t: the configured KL estimator of (log π_old, log π_ref) "
            "at step t, times the mask"),
+    Column("distill", "d_t", "float", "d_t = (log π_T - log π_old) · mask: the per-token "
+           "distillation term (-d_t estimates the reverse KL to the teacher); the reward gets "
+           "coef·d_t"),
     Column("score", "score_t", "float", "token_level_scores: the task's reward for the "
            "transition made by y_t; an outcome score sits on the last policy token"),
     Column("reward", "r_t", "float", "token_level_rewards: r_t = score_t - β·kl_t when KL is in "
-           "the reward, else score_t"),
+           "the reward, else score_t; with a distillation teacher, + coef·d_t (combine=replace: "
+           "without score_t)"),
     Column("value", "V(s_t)", "float", "values: the critic's value of s_t, the state before y_t "
            "is chosen"),
     Column("delta", "δ_t", "float", "δ_t = r_t + γ·V(s_t') - V(s_t), t' the next policy step "

@@ -2,8 +2,9 @@
 ``creditrl.core`` (nothing here re-derives the math).
 
 All tensors are (B, T) with column j = step t = j + 1 (docs/architecture.md). ``derive`` fills the
-columns that follow from the ones given: kl (``core.kl_penalty``), δ (GAE with λ = 0), the raw
-GAE advantage and its return, ratio and clip flag (the configured core policy loss).
+columns that follow from the ones given: kl (``core.kl_penalty``), the distillation term
+(``core.distill_term``), δ (GAE with λ = 0), the raw GAE advantage and its return, ratio and
+clip flag (the configured core policy loss).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from creditrl.core import (
     apply_kl_penalty,
     compute_advantage,
     compute_gae_advantage_return,
+    distill_term,
     get_policy_loss,
     kl_penalty,
     log_ratio,
@@ -47,6 +49,8 @@ class Settings:
     policy_loss: str = "ppo"
     clip: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     temperature: float = 1.0
+    distill_coef: float | None = None  # distill.coef with a teacher; None: no distillation
+    distill_combine: str = "add"  # distill.combine: add to the task reward, or replace it
 
     @property
     def needs_values(self) -> bool:
@@ -80,6 +84,8 @@ class Settings:
             policy_loss=actor.policy_loss,
             clip=policy_loss_config(actor),
             temperature=cfg.rollout.temperature,
+            distill_coef=None if cfg.distill.teacher is None else cfg.distill.coef,
+            distill_combine=cfg.distill.combine,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -95,18 +101,30 @@ class Settings:
         }
         if "clip_ratio_c" in POLICY_LOSSES.info(self.policy_loss).get("options", ()):
             out["clip_ratio_c"] = self.clip.clip_ratio_c
+        if self.distill_coef is not None:
+            out["distill"] = f"coef {self.distill_coef}, {self.distill_combine} the task reward"
         return out
 
 
 def rewards_from_scores(t: Tensors, s: Settings) -> tuple[torch.Tensor, dict[str, float]]:
     """token_level_rewards from ``score`` (and ``old_log_prob``, ``ref_log_prob`` when KL is in
-    the reward), by ``core.apply_kl_penalty``; otherwise the scores themselves."""
+    the reward), by ``core.apply_kl_penalty``; otherwise the scores themselves. With a teacher
+    (``teacher_log_prob`` given), coef·d_t (``core.distill_term``) is added, and with
+    ``combine=replace`` the scores are taken out, as the pipeline's distillation stage does."""
     mask = t["mask"].to(t["score"].dtype)
+    metrics: dict[str, float] = {}
     if s.kl_in != "reward":
-        return t["score"] * mask, {}
-    return apply_kl_penalty(
-        t["score"], t["old_log_prob"], t["ref_log_prob"], mask, s.beta, s.kl_estimator
-    )
+        rewards = t["score"] * mask
+    else:
+        rewards, metrics = apply_kl_penalty(
+            t["score"], t["old_log_prob"], t["ref_log_prob"], mask, s.beta, s.kl_estimator
+        )
+    if s.distill_coef is not None and "teacher_log_prob" in t:
+        if s.distill_combine == "replace":
+            rewards = rewards - t["score"] * mask
+        d = distill_term(t["teacher_log_prob"], t["old_log_prob"], mask)
+        rewards = rewards + s.distill_coef * d
+    return rewards, metrics
 
 
 def run_estimator(t: Tensors, s: Settings, index: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +145,9 @@ def clip_flags(t: Tensors, s: Settings) -> torch.Tensor:
     """1 where the configured policy loss gives token (i, t) no gradient although A != 0: the
     core loss is summed over tokens (``token-sum``) and differentiated w.r.t. log π_θ."""
     log_prob = t["log_prob"].detach().clone().requires_grad_(True)
+    extra = {name: t[name] for name in POLICY_LOSSES.info(s.policy_loss).get("requires", ())}
     loss, _ = get_policy_loss(s.policy_loss)(
-        t["old_log_prob"], log_prob, t["advantage"], t["mask"], "token-sum", s.clip
+        t["old_log_prob"], log_prob, t["advantage"], t["mask"], "token-sum", s.clip, **extra
     )
     (grad,) = torch.autograd.grad(loss, log_prob, allow_unused=True)
     if grad is None:
@@ -142,6 +161,7 @@ def derive(t: Tensors, s: Settings) -> list[str]:
     inconsistencies found (e.g. dumped returns that the given γ, λ do not reproduce).
 
     - ``kl`` from old/ref log-probs: ``core.kl_penalty`` with ``s.kl_estimator``, times mask;
+    - ``distill`` from old/teacher log-probs: ``core.distill_term``;
     - ``delta`` from reward and value: ``compute_gae_advantage_return`` with λ = 0 (then
       A_t = δ_t exactly, masked spans skipped);
     - ``advantage_raw`` (GAE only) and, if absent, ``return``: the same function with ``s.lam``
@@ -153,6 +173,8 @@ def derive(t: Tensors, s: Settings) -> list[str]:
     mask = t["mask"]
     if "old_log_prob" in t and "ref_log_prob" in t and "kl" not in t:
         t["kl"] = kl_penalty(t["old_log_prob"], t["ref_log_prob"], s.kl_estimator) * mask
+    if "old_log_prob" in t and "teacher_log_prob" in t and "distill" not in t:
+        t["distill"] = distill_term(t["teacher_log_prob"], t["old_log_prob"], mask)
     if "reward" in t and "value" in t:
         t["delta"], _ = compute_gae_advantage_return(
             t["reward"], t["value"], mask, s.gamma, 0.0, whiten=False
@@ -174,7 +196,8 @@ def derive(t: Tensors, s: Settings) -> list[str]:
                 t["return"] = returns
     if "log_prob" in t and "old_log_prob" in t:
         t["ratio"] = torch.exp(log_ratio(t["old_log_prob"], t["log_prob"])) * mask
-        if "advantage" in t:
+        needs = POLICY_LOSSES.info(s.policy_loss).get("requires", ())
+        if "advantage" in t and all(name in t for name in needs):
             t["clipped"] = clip_flags(t, s)
     return notes
 

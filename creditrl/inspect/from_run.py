@@ -37,6 +37,7 @@ DUMP_FIELDS = {
     "rollout_log_probs": "rollout_log_prob",
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref_log_prob",
+    "teacher_log_prob": "teacher_log_prob",
     "entropys": "entropy",
     "token_level_scores": "score",
     "token_level_rewards": "reward",

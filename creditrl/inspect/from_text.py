@@ -6,7 +6,10 @@ log π_old (``model.path``, or the ``actor`` checkpoint) and its entropy; log π
 ``model.path``) when KL is configured; V(s_t) from the ``critic`` (a fresh zero-head critic
 when the estimator is GAE and none is given); the score from ``score`` or the configured
 reward (the data_source's scorer against ``ground_truth``); rewards and advantages by the
-configured estimator, the responses forming one group; and, with ``theta``, log π_θ, the
+configured estimator, the responses forming one group; with ``distill.teacher``, the
+teacher's log-probs of the same response ids after its prompt (``distill.teacher_prompt``:
+``ground_truth`` adds the given ``ground_truth``; ``few_shot`` has no task rows here, so the
+teacher sees the prompt as given) and the distillation term; and, with ``theta``, log π_θ, the
 ratio and the clip flag.
 """
 
@@ -43,6 +46,34 @@ def _prompt_ids(tokenizer: Any, prompt: str, cfg: Config, raw_prompt: bool) -> l
     if cfg.data.system_prompt:
         messages.insert(0, {"role": "system", "content": cfg.data.system_prompt})
     return chat_prompt_ids(tokenizer, messages)
+
+
+def _teacher_log_probs(
+    cfg: Config,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    response_ids: list[list[int]],
+    ground_truth: str | None,
+    raw_prompt: bool,
+    prompt: str,
+) -> tuple[torch.Tensor, str]:
+    """log π_T (B, T) of the responses after the teacher's prompt, and a note saying which."""
+    from creditrl.data.rows import PromptRow
+    from creditrl.data.teacher import teacher_messages
+    from creditrl.pipeline.teacher import load_teacher
+
+    kind = cfg.distill.teacher_prompt
+    teacher_ids, seen = prompt_ids, "the same prompt"
+    if kind == "ground_truth" and ground_truth is not None and not raw_prompt:
+        messages = [{"role": "user", "content": prompt}]
+        if cfg.data.system_prompt:
+            messages.insert(0, {"role": "system", "content": cfg.data.system_prompt})
+        row = PromptRow(messages, ground_truth, "explain")
+        teacher_ids = chat_prompt_ids(tokenizer, teacher_messages(row, kind) or messages)
+        seen = "the prompt with the ground truth added"
+    rows = build_batch([teacher_ids] * len(response_ids), response_ids, tokenizer.pad_token_id)
+    log_probs = compute_log_probs(load_teacher(cfg), rows, cfg)[0].double()
+    return log_probs, f"teacher {cfg.distill.teacher!r} (teacher_prompt={kind}) sees {seen}"
 
 
 def _scores(
@@ -115,6 +146,11 @@ def views_from_text(
         t["ref_log_prob"] = compute_log_probs(ref, batch, cfg)[0].double()
         if actor is None:
             notes.append("no --actor: π_old is model.path itself, so π_ref = π_old and kl = 0")
+    if cfg.distill.teacher is not None:
+        t["teacher_log_prob"], note = _teacher_log_probs(
+            cfg, tokenizer, prompt_ids, response_ids, ground_truth, raw_prompt, prompt
+        )
+        notes.append(note)
     if critic is not None:
         t["value"] = compute_values(load_critic(cfg, critic), batch, cfg).double()
     elif settings.needs_values:

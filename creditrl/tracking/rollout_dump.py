@@ -37,6 +37,7 @@ PER_TOKEN_FIELDS = (
     "rollout_log_probs",
     "old_log_probs",
     "ref_log_prob",
+    "teacher_log_prob",
     "entropys",
     "token_level_scores",
     "token_level_rewards",
