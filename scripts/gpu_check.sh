@@ -2,10 +2,12 @@
 # The GPU check: one command for a fresh, offline GPU machine with its own torch (at most ~6
 # minutes, no download, no real weights). It prints the device, runs one `creditrl train` step
 # through `python -m creditrl.cli` on it, the tests marked gpu (`pytest -m gpu -rs`: the
-# learning smoke test's CUDA case among them) and benchmarks/gpu_smoke.py (the learning smoke
-# run on CUDA and the CPU, rollout speed of the HF engine against HF generate), and writes
-# benchmarks/results/gpu_check.md naming the device, the versions and each figure. Each part
-# has a time limit (75 s, 150 s, 130 s), so the whole stays under 6 minutes.
+# learning smoke test's CUDA case and the CUDA-graph decode against the eager path among them)
+# and benchmarks/gpu_step_time.py (rollout against HF generate, update MFU, a whole GRPO step
+# and TRL's GRPOTrainer; TRL only where it is importable), and writes
+# benchmarks/results/gpu_step_time.md naming the device, the versions, the pytest summary and
+# each figure. Each part has a time limit (60 s, 120 s, 200 s), so the whole stays near 6
+# minutes. benchmarks/gpu_smoke.py (the learning smoke run on CUDA and the CPU) runs apart.
 #
 #   scripts/gpu_check.sh                         # on a machine where torch sees CUDA
 #   GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh   # a dry run on the CPU (says so; small shapes;
@@ -29,12 +31,12 @@ if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   exit 2
 fi
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  dry=0 device=cuda result=benchmarks/results/gpu_check.md
-  bench=(--device cuda --learn-devices cuda,cpu)
+  dry=0 device=cuda result=benchmarks/results/gpu_step_time.md
+  bench=(--budget-s 185)
 elif [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
-  dry=1 device=cpu result=runs/gpu_check_dry_run.md
-  bench=(--device cpu --learn-devices cpu --rows 4 --prompt-len 16 --new-tokens 8 --repeats 1
-         --dry-run)
+  dry=1 device=cpu result=runs/gpu_step_time_dry_run.md
+  bench=(--dry-run --budget-s 150 --rows 4 --prompt-len 8 --new-tokens 8 --prompts 2 --n 2
+         --response 8)
   echo "DRY RUN (GPU_CHECK_ALLOW_CPU=1): no CUDA device is visible; everything runs on the CPU" \
        "and no GPU is used"
 else
@@ -67,7 +69,7 @@ fi
 echo "$tiny"
 
 section "one creditrl train step through python -m creditrl.cli (trainer.device=$device)"
-COLUMNS=200 timeout 75 "$PY" -m creditrl.cli train "model.path=$tiny" "trainer.device=$device" \
+COLUMNS=200 timeout 60 "$PY" -m creditrl.cli train "model.path=$tiny" "trainer.device=$device" \
   trainer.total_steps=1 data.train_batch_size=2 actor.ppo_mini_batch_size=2 rollout.n=2 rollout.max_response_length=8 \
   trainer.val_before_train=false trainer.test_freq=0 trainer.save_freq=0 \
   "trainer.output_dir=$work/cli" >"$work/cli.log" 2>&1
@@ -77,16 +79,16 @@ if [ $code = 0 ]; then echo "passed"; else echo "FAILED ($(why $code))"; failed+
 
 section "pytest -m gpu"
 opts=(-m gpu -rs -p no:cacheprovider --continue-on-collection-errors)
-if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then opts+=(--timeout=120); fi
-timeout 150 "$PY" -m pytest "${opts[@]}" 2>&1 | tee "$work/pytest.log" | grep -vE "^(Loading|step )"
+if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then opts+=(--timeout=100); fi
+timeout 120 "$PY" -m pytest "${opts[@]}" 2>&1 | tee "$work/pytest.log" | grep -vE "^(Loading|step )"
 code=${PIPESTATUS[0]}
 if [ "$code" != 0 ]; then echo "pytest: FAILED ($(why "$code"))"; failed+=(pytest); fi
 
-section "benchmarks/gpu_smoke.py: the learning smoke run and rollout speed"
-COLUMNS=200 timeout 130 "$PY" benchmarks/gpu_smoke.py --out "$result" --pytest-log "$work/pytest.log" \
-  "${bench[@]}" 2>&1 | grep -vE "^(Loading|step )"
+section "benchmarks/gpu_step_time.py: rollout, update MFU, a GRPO step, TRL"
+COLUMNS=200 timeout 200 "$PY" benchmarks/gpu_step_time.py --out "$result" \
+  --pytest-log "$work/pytest.log" "${bench[@]}" 2>&1 | grep -vE "^(Loading|step )"
 code=${PIPESTATUS[0]}
-if [ "$code" != 0 ]; then echo "gpu_smoke.py: FAILED ($(why "$code"))"; failed+=(gpu_smoke); fi
+if [ "$code" != 0 ]; then echo "gpu_step_time.py: FAILED ($(why "$code"))"; failed+=(gpu_step_time); fi
 
 section "summary"
 [ $dry = 1 ] && echo "DRY RUN on the CPU: no GPU was used"
