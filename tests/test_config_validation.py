@@ -508,7 +508,7 @@ def test_user_errors_from_the_trainer_are_one_line(capsys, monkeypatch) -> None:
         ("actor.tau_pos=2.0", "is not sapo"),
         ("actor.loss_scale_factor=96", "divides by no constant"),
         ("reward.async_reward=true preset=dapo", "cannot overlap"),
-        ("actor.max_token_len_per_device=1024", "use_dynamic_bsz=false"),
+        ("actor.max_token_len_per_device=1024 actor.use_dynamic_bsz=false", "bsz=false"),
     ],
 )
 def test_settings_an_estimator_or_loss_ignores_warn(override: str, named: str) -> None:

@@ -12,7 +12,13 @@ from creditrl import Batch
 from creditrl.config import ActorConfig, CriticConfig, OptimConfig
 from creditrl.models.critic import CriticModel
 from creditrl.workers import ActorWorker, CriticWorker, policy_forward, value_forward
-from creditrl.workers.micro_batches import micro_batch_indices, restore_order, sequence_lengths
+from creditrl.workers.micro_batches import (
+    micro_batch_indices,
+    micro_batches_for,
+    resolve_on_cuda,
+    restore_order,
+    sequence_lengths,
+)
 from creditrl.workers.packing import pack, packed_policy_forward, packed_value_forward
 
 
@@ -238,3 +244,44 @@ def test_dynamic_micro_batch_count_is_the_same_on_every_rank(tmp_path) -> None:
             groups.append(json.load(f))
     assert [len(g) for g in groups] == [2, 2]
     assert sorted(i for g in groups[1] for i in g) == list(range(6))
+
+
+def test_null_settings_pack_by_token_budget_on_cuda_only() -> None:
+    """use_dynamic_bsz / use_remove_padding left null: on for CUDA batches, off on the CPU
+    (fixed micro-batches, the CPU's figures unchanged); the auto budget takes the longest
+    sample alone instead of refusing it."""
+    assert ActorConfig().use_dynamic_bsz is None and CriticConfig().use_remove_padding is None
+    assert [resolve_on_cuda(None, d) for d in ("cuda", "cpu")] == [True, False]
+    assert [resolve_on_cuda(s, "cuda") for s in (False, True)] == [False, True]
+    batch = make_batch()
+    fixed = micro_batches_for(batch, 4, ActorConfig(max_token_len_per_device=10))
+    assert [g.tolist() for g in fixed] == [[0, 1, 2, 3], [4, 5]]
+    grown = micro_batch_indices(
+        batch, 2, use_dynamic_bsz=True, max_token_len=10, packed=True, fit_longest=True
+    )
+    assert [g.tolist() for g in grown] == [[0], [3], [1, 2], [4, 5]]  # 11 | 9 | 3+7 | 3+3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_default_actor_on_cuda_packs_by_token_budget() -> None:
+    """On CUDA the default actor config runs packed micro-batches by token budget: its
+    log-probs equal the padded fixed-size path's (float32)."""
+    from creditrl.workers.placement import Placement
+
+    batch = make_batch()
+    cuda = Placement(device=torch.device("cuda"), backend="nccl", autocast="none")
+    outs = {}
+    for name, cfg in (
+        ("default", ActorConfig(max_token_len_per_device=12)),
+        ("padded", ActorConfig(use_dynamic_bsz=False, use_remove_padding=False)),
+    ):
+        worker = ActorWorker(tiny_lm_with_attn().cuda(), cfg, placement=cuda)
+        on_device = batch.to("cuda")
+        groups = micro_batches_for(on_device, 2, worker.cfg)
+        outs[name] = (worker.compute_log_prob(on_device, 1.0, False)[0].cpu(), len(groups))
+    assert outs["default"][1] == 4 and outs["padded"][1] == 3
+    valid = batch["response_mask"].bool()
+    torch.testing.assert_close(
+        outs["default"][0][valid], outs["padded"][0][valid], atol=1e-5, rtol=1e-5
+    )

@@ -246,12 +246,12 @@ class ActorConfig:
     """Reuse the rollout's log-probs as old_log_probs when it samples the actor exactly."""
     autocast: str = field(default="auto", metadata=meta(choices=("auto", "bf16", "none")))
     """'bf16': the update under bfloat16 autocast; 'none': model.dtype; 'auto': bf16 if native."""
-    use_dynamic_bsz: bool = False
-    """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
+    use_dynamic_bsz: bool | None = None
+    """Micro-batches by token budget (max_token_len_per_device), not count; null: on CUDA."""
     max_token_len_per_device: int = field(default=4096, metadata=meta(range=AT_LEAST_1))
-    """Tokens per micro-batch forward when use_dynamic_bsz."""
-    use_remove_padding: bool = False
-    """Pack each micro-batch's real tokens into one row (no compute on padding)."""
+    """Tokens per micro-batch forward when use_dynamic_bsz (null: at least the longest sample)."""
+    use_remove_padding: bool | None = None
+    """Pack each micro-batch's real tokens into one row (no compute on padding); null: on CUDA."""
     shared_prefix: str = field(default="auto", metadata=meta(choices=("auto", "always", "never")))
     """Compute each distinct token prefix of a micro-batch once (always | never | auto: on CPU)."""
     logits_chunk_tokens: int = field(default=1024, metadata=meta(range=AT_LEAST_0))
@@ -277,12 +277,12 @@ class CriticConfig:
         default="token-mean", metadata=meta(choices_from="creditrl.core:LOSS_AGG_MODES")
     )
     """How per-token value losses become one number (as actor.loss_agg_mode)."""
-    use_dynamic_bsz: bool = False
-    """Micro-batches by token budget (max_token_len_per_device), not trajectory count."""
+    use_dynamic_bsz: bool | None = None
+    """Micro-batches by token budget (max_token_len_per_device), not count; null: on CUDA."""
     max_token_len_per_device: int = field(default=4096, metadata=meta(range=AT_LEAST_1))
-    """Tokens per micro-batch forward when use_dynamic_bsz."""
-    use_remove_padding: bool = False
-    """Pack each micro-batch's real tokens into one row (no compute on padding)."""
+    """Tokens per micro-batch forward when use_dynamic_bsz (null: at least the longest sample)."""
+    use_remove_padding: bool | None = None
+    """Pack each micro-batch's real tokens into one row (no compute on padding); null: on CUDA."""
 
 
 @dataclass

@@ -483,7 +483,7 @@ UNUSED_RULES: tuple[UnusedRule, ...] = (
     ),
     *(
         (
-            lambda c, s=section: not value_at(c, f"{s}.use_dynamic_bsz"),
+            lambda c, s=section: value_at(c, f"{s}.use_dynamic_bsz") is False,
             (f"{section}.max_token_len_per_device",),
             lambda c, s=section: f"{s}.use_dynamic_bsz=false",
         )

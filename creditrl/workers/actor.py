@@ -21,7 +21,7 @@ from creditrl.core import (
 )
 from creditrl.workers.distributed import all_reduce_gradients, all_reduce_sum
 from creditrl.workers.forward import policy_forward, split_indices
-from creditrl.workers.micro_batches import micro_batches_for, restore_order
+from creditrl.workers.micro_batches import micro_batches_for, resolve_on_cuda, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_policy_forward
 from creditrl.workers.placement import CPU, Placement
@@ -56,7 +56,8 @@ class ActorWorker:
     counts (core ``global_normalisers``) and are summed, so the accumulated gradient equals
     the mini-batch's full gradient for every aggregation mode. Micro-batches hold a fixed
     number of trajectories, or fit ``max_token_len_per_device`` tokens (``use_dynamic_bsz``);
-    ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``);
+    ``use_remove_padding`` packs each micro-batch into one row (``workers.packing``); both
+    left null are on where the batches are on CUDA (``micro_batches.resolve_on_cuda``);
     ``shared_prefix`` computes each distinct token prefix of a micro-batch once
     (``workers.prefix_tree``), with the rows of one prompt in the same micro-batches.
     The model and the batches it is given are on ``placement``'s device (the CPU by default).
@@ -91,7 +92,9 @@ class ActorWorker:
                 f"actor.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
             )
         forward = partial(
-            packed_policy_forward if cfg.use_remove_padding else policy_forward,
+            packed_policy_forward
+            if resolve_on_cuda(cfg.use_remove_padding, self.device.type)
+            else policy_forward,
             chunk_tokens=cfg.logits_chunk_tokens,
         )
         self.shared_prefix = resolve_shared_prefix(cfg.shared_prefix, model, self.device.type)

@@ -12,7 +12,7 @@ from creditrl.config import CriticConfig
 from creditrl.core import compute_value_loss, global_normalisers, masked_mean
 from creditrl.workers.distributed import all_reduce_gradients, all_reduce_sum
 from creditrl.workers.forward import split_indices, trim
-from creditrl.workers.micro_batches import micro_batches_for, restore_order
+from creditrl.workers.micro_batches import micro_batches_for, resolve_on_cuda, restore_order
 from creditrl.workers.optim import build_optimizer
 from creditrl.workers.packing import packed_value_forward
 
@@ -62,7 +62,9 @@ class CriticWorker:
             raise ValueError(
                 f"critic.max_token_len_per_device must be >= 1, got {cfg.max_token_len_per_device}"
             )
-        self._forward = packed_value_forward if cfg.use_remove_padding else value_forward
+        device = next(model.parameters()).device.type
+        packed = resolve_on_cuda(cfg.use_remove_padding, device)
+        self._forward = packed_value_forward if packed else value_forward
 
     def _micro_batches(self, batch: Batch, size: int) -> list[torch.Tensor]:
         """Row indices of each micro-batch: ``size`` trajectories, or a token budget."""

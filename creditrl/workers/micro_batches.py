@@ -11,6 +11,11 @@ forward pass holds at most ``max_token_len`` tokens, counted as the pass will se
 - packed (``packed=True``): sum_{i in S} (p_i + r_i), the real tokens of one packed row;
   first-fit decreasing bin packing.
 
+``use_dynamic_bsz`` and ``use_remove_padding`` left null (the default) are true where the batch
+is on CUDA and false elsewhere (``resolve_on_cuda``): on a GPU the update runs padding-free
+micro-batches by token budget, the budget grown to the longest sample if that is longer (no
+sample is refused by a budget the user did not set); on the CPU it keeps fixed micro-batches.
+
 Under torch.distributed every rank runs the same number of micro-batches (FSDP2 gathers
 parameters in each forward, so unequal counts would hang): ``micro_batches_for`` takes the
 largest count over ranks and splits groups until each rank has it (verl's
@@ -36,6 +41,7 @@ __all__ = [
     "MicroBatchConfig",
     "micro_batch_indices",
     "micro_batches_for",
+    "resolve_on_cuda",
     "restore_order",
     "sequence_lengths",
 ]
@@ -44,9 +50,15 @@ __all__ = [
 class MicroBatchConfig(Protocol):
     """The keys of ``ActorConfig`` / ``CriticConfig`` that shape micro-batches."""
 
-    use_dynamic_bsz: bool
+    use_dynamic_bsz: bool | None
     max_token_len_per_device: int
-    use_remove_padding: bool
+    use_remove_padding: bool | None
+
+
+def resolve_on_cuda(setting: bool | None, device_type: str) -> bool:
+    """``use_dynamic_bsz`` / ``use_remove_padding`` as they apply on ``device_type``: the
+    setting when given, else true on CUDA only."""
+    return device_type == "cuda" if setting is None else setting
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,19 +135,26 @@ def micro_batch_indices(
     max_token_len: int = 4096,
     packed: bool = False,
     min_micro_batches: int = 1,
+    fit_longest: bool = False,
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch of ``batch``; together they cover every row once.
 
     Fixed size (``use_dynamic_bsz=False``): consecutive runs of ``micro_batch_size`` rows.
     Token budget: groups whose token count (padded or packed, see the module docstring) is at
     most ``max_token_len``, at least ``min_micro_batches`` of them; ValueError naming the row
-    if one row alone is over the budget. Each group's indices are ascending.
+    if one row alone is over the budget, unless ``fit_longest``: then the budget is at least
+    the longest row's cost. Each group's indices are ascending.
     """
     if not use_dynamic_bsz:
         return split_indices(torch.arange(len(batch)), micro_batch_size)
     if max_token_len < 1:
         raise ValueError(f"max_token_len_per_device must be >= 1, got {max_token_len}")
     p, r = (t.tolist() for t in sequence_lengths(batch))
+    if fit_longest and p:
+        costs = zip(p, r, strict=True)
+        max_token_len = max(
+            max_token_len, *(pi + (ri if packed else max(ri, 1)) for pi, ri in costs)
+        )
     if packed:
         groups = _packed_groups([pi + ri for pi, ri in zip(p, r, strict=True)], max_token_len)
     else:
@@ -150,15 +169,19 @@ def micro_batch_indices(
 def micro_batches_for(
     batch: Batch, micro_batch_size: int, cfg: MicroBatchConfig
 ) -> list[torch.Tensor]:
-    """``micro_batch_indices`` with the worker config's keys; with a token budget under
-    torch.distributed, every rank gets the largest count over ranks (one MAX all-reduce)."""
+    """``micro_batch_indices`` with the worker config's keys (null ones resolved for the
+    batch's device: ``resolve_on_cuda``); with a token budget under torch.distributed, every
+    rank gets the largest count over ranks (one MAX all-reduce)."""
+    device = batch["attention_mask"].device.type
+    dynamic = resolve_on_cuda(cfg.use_dynamic_bsz, device)
     kwargs = {
-        "use_dynamic_bsz": cfg.use_dynamic_bsz,
+        "use_dynamic_bsz": dynamic,
         "max_token_len": cfg.max_token_len_per_device,
-        "packed": cfg.use_remove_padding,
+        "packed": resolve_on_cuda(cfg.use_remove_padding, device),
+        "fit_longest": cfg.use_dynamic_bsz is None,
     }
     indices = micro_batch_indices(batch, micro_batch_size, **kwargs)
-    if cfg.use_dynamic_bsz and is_distributed():
+    if dynamic and is_distributed():
         count = torch.tensor([len(indices)], dtype=torch.int64, device=collective_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if int(count) > len(indices):
