@@ -13,12 +13,19 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
 
-__all__ = ["BufferedGroup", "GroupBuffer", "concat_groups", "staleness_metrics"]
+__all__ = [
+    "BufferedGroup",
+    "GroupBuffer",
+    "StalenessProgress",
+    "concat_groups",
+    "staleness_metrics",
+]
 
 _PROMPT_ALIGNED = ("input_ids", "attention_mask", "position_ids")
 
@@ -136,3 +143,21 @@ def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
         "async/staleness/min": float(s.min()),
         "async/on_policy_fraction": float((s == 0).to(torch.float64).mean()),
     }
+
+
+class StalenessProgress:
+    """The learner's progress: one line per step with its score, staleness and seconds."""
+
+    def __init__(self, total: int, console: Any) -> None:
+        self.total, self.console = total, console
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        self.console.print(
+            f"learner step {step}/{self.total}: "
+            f"score {metrics.get('critic/score/mean', float('nan')):.3f}, "
+            f"staleness {metrics['async/staleness/mean']:.2f}, "
+            f"{metrics['perf/time_per_step']:.1f}s"
+        )
+
+    def close(self) -> None:
+        """Nothing to close."""

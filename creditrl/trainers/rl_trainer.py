@@ -5,7 +5,6 @@ bottom; every stage is one call away.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from creditrl.tracking import (
     TrainingProgress,
 )
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
+from creditrl.trainers.loop import TrainingLoop
 from creditrl.trainers.prompts import batch_seed, prompt_batch
 from creditrl.trainers.run_lock import RunLock
 from creditrl.trainers.schedule import Schedule
@@ -44,17 +44,6 @@ from creditrl.workers.placement import check_device, describe, device_type
 from creditrl.workers.precision import autocast_choice
 
 __all__ = ["RLTrainer", "RunSummary"]
-
-
-def _metrics(value: Any) -> dict[str, float]:
-    """A checkpoint's saved validation metrics: the name -> number entries of a mapping."""
-    if not isinstance(value, dict):
-        return {}
-    return {
-        k: float(v)
-        for k, v in value.items()
-        if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-    }
 
 
 @dataclass
@@ -81,9 +70,10 @@ class RunSummary:
         }
 
 
-class RLTrainer:
-    """Builds every component from a Config and runs the loop. ``fit()`` resumes from the
-    newest complete checkpoint in ``trainer.output_dir`` unless ``trainer.resume=never``."""
+class RLTrainer(TrainingLoop):
+    """Builds every component from a Config and runs the loop (``TrainingLoop``) with the
+    in-process rollout as its batch source. ``fit()`` resumes from the newest complete
+    checkpoint in ``trainer.output_dir`` unless ``trainer.resume=never``."""
 
     def __init__(self, cfg: Config, console: Any = None) -> None:
         self.cfg = cfg
@@ -119,6 +109,7 @@ class RLTrainer:
         self.console.print(as_text(choice, style="dim"))
         self.prompts_drawn = 0  # the stream's place: uids and sample seeds follow from it
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
+        self.schedule = Schedule.from_config(cfg.trainer)
         self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
         save_resolved_config(cfg, self.out / "config.yaml")
         self.dumper = RolloutDumper(self.out, cfg.trainer.rollout_dump_rows, self.tokenizer)
@@ -140,35 +131,14 @@ class RLTrainer:
 
     # ---- checkpoint ---------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
-        state = {
-            "sampler": self.sampler.state_dict(),
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "prompts_drawn": self.prompts_drawn,
-            "val_before": self.val_before,
-            "val_latest": self.val_latest,
-        }
-        return self.checkpoints.save(self.step, self.workers.save_checkpoint, state)
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The data order's place and the prompts drawn so far."""
+        return {"sampler": self.sampler.state_dict(), "prompts_drawn": self.prompts_drawn}
 
-    def maybe_resume(self) -> bool:
-        """Restore the newest complete checkpoint that fits the models (damaged or unfitting
-        newer ones are logged and skipped); without one, a rerun starts over and drops the
-        earlier attempt's metrics rows."""
-        if self.cfg.trainer.resume == "never":
-            return False
-        restored = self.checkpoints.restore(self.workers.load_checkpoint)
-        if restored is None:
-            self.tracker.truncate_after(-1)
-            return False
-        _, self.step, state = restored
+    def load_state(self, path: Path, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         drawn = state.get("prompts_drawn", self.step * self.cfg.data.train_batch_size)
         self.prompts_drawn = int(drawn)  # (a checkpoint from before it was saved: estimated)
-        self.val_before = _metrics(state.get("val_before"))
-        self.val_latest = _metrics(state.get("val_latest"))
-        self.tracker.truncate_after(self.step)
-        return True
 
     def interruption(self) -> str:
         """One line for a Ctrl-C: the step reached, and where rerunning the same command
@@ -246,21 +216,18 @@ class RLTrainer:
         balanced = balance_batch(batch, world)
         return balanced.batch, balanced.metrics
 
-    def train_step(self) -> dict[str, float]:
-        """One step: collect -> balance -> training half -> metrics and dump."""
-        timing: dict[str, float] = {}
-        start = time.perf_counter()
+    def next_batch(self, timing: dict[str, float]) -> tuple[Batch, dict[str, float], None]:
+        """The in-process rollout: collect, then balance over the data-parallel ranks."""
         batch, metrics = self.collect(timing)
         batch, balance_metrics = self.balance(batch)
         metrics.update(balance_metrics)
-        batch, update = self.training.run(batch, self.step, timing, keep_rollout=self.keep_rollout)
-        metrics.update(update)
-        timing["step"] = time.perf_counter() - start
-        metrics.update(self.training.step_metrics(batch, timing))
-        self.dumper.dump(batch, self.step)
+        return batch, metrics, None
+
+    def update(self, batch: Batch, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        return self.training.run(batch, self.step, timing, keep_rollout=self.keep_rollout)
+
+    def after_update(self, batch: Batch, whole: Batch | None, timing: dict[str, float]) -> None:
         self.sampler.update(batch)
-        self.last_batch = batch
-        return metrics
 
     def validate(self) -> dict[str, float]:
         """Validation metrics on the held-out rows (``StepPipeline.validate``)."""
@@ -270,39 +237,20 @@ class RLTrainer:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def fit(self) -> RunSummary:
-        cfg = self.cfg.trainer
-        schedule = Schedule.from_config(cfg)
-        began = time.perf_counter()
-        progress = None
-        try:  # a refused checkpoint or a Ctrl-C before the first step still closes the workers
-            if self.maybe_resume():
-                note = f"resuming {self.out} from step {self.step} of {cfg.total_steps}"
-                if self.step >= cfg.total_steps:
-                    note += " (already finished: raise trainer.total_steps or use a new output_dir)"
-                self.console.print(as_text(note))
-            elif schedule.validates(0):
-                self.val_before = self.validate()
-                self.tracker.log(self.val_before, step=0)
-            summary = RunSummary(self.out, cfg.total_steps, self.val_before, self.val_latest)
-            progress = TrainingProgress(cfg.total_steps, self.step, self.console)
-            while self.step < cfg.total_steps:
-                self.step += 1
-                metrics = self.train_step()
-                if schedule.validates(self.step):
-                    self.val_latest = summary.val_after = self.validate()
-                    metrics.update(summary.val_after)
-                self.tracker.log(metrics, step=self.step)
-                progress.update(self.step, metrics)
-                summary.rewards.append(metrics.get("critic/score/mean", float("nan")))
-                if schedule.saves(self.step):
-                    self.save_checkpoint()
-        finally:
-            if progress is not None:
-                progress.close()
-            self.close()
-        summary.seconds = time.perf_counter() - began
-        return summary
+    def begin(self, resumed: bool) -> None:
+        if resumed:
+            total = self.cfg.trainer.total_steps
+            note = f"resuming {self.out} from step {self.step} of {total}"
+            if self.step >= total:
+                note += " (already finished: raise trainer.total_steps or use a new output_dir)"
+            self.console.print(as_text(note))
+
+    def progress(self) -> TrainingProgress:
+        return TrainingProgress(self.cfg.trainer.total_steps, self.step, self.console)
+
+    def summary(self, seconds: float) -> RunSummary:
+        total = self.cfg.trainer.total_steps
+        return RunSummary(self.out, total, self.val_before, self.val_latest, self.scores, seconds)
 
     def close(self) -> None:
         """Release the workers, the reward pool, the metric sinks and the output folder."""

@@ -1,0 +1,288 @@
+"""Receiving, checking and acknowledging the samplers' groups: the learner's side of spec 003's
+delivery, mixed into ``creditrl.asynchronous.learner.Learner`` (rank 0).
+
+Every message is checked first (``validation``): one that fails (or that the learner fails on
+before it joins a batch) is acknowledged ``rejected``, counted (``async/rejected``,
+``async/rejected/<reason>``) and logged with its sender and seq, and a sender rejected
+``asynchronous.max_rejects`` times is disconnected (every later message of it is answered
+``disconnected`` and otherwise ignored); groups whose staleness (learner version - sampling
+version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale``; a group
+seen before is acknowledged ``duplicate``; a group that would take the buffered bytes past
+``settings.max_buffered_bytes`` is rejected ``buffer_full`` (counted like any rejection, but
+not toward ``max_rejects``: a flood from one peer never disconnects the others). Trained
+groups are acknowledged ``trained`` after the update, journaled first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from creditrl.asynchronous.delivery import AckJournal, DeliveryLedger
+from creditrl.asynchronous.messages import (
+    Message,
+    MessageError,
+    ack_message,
+    check_sampler_id,
+    encode,
+    reject_message,
+)
+from creditrl.asynchronous.settings import (
+    json_limits,
+    max_buffered_bytes,
+    max_message_bytes,
+    needs_reference,
+)
+from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer
+from creditrl.asynchronous.transport import LearnerSocket
+from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
+from creditrl.batch import Batch
+from creditrl.config import Config
+from creditrl.pipeline.plan import structured_reward
+from creditrl.rollout.strategies import strategy_traits
+from creditrl.tracking import RolloutDumper
+
+__all__ = ["AsyncRolloutDumper", "GroupReceiver"]
+
+log = logging.getLogger(__name__)
+_DRAIN = 256  # messages handled per receive call, so a flood never starves the step loop
+
+
+class AsyncRolloutDumper(RolloutDumper):
+    """The rollout dump plus ``staleness``, ``weight_version``, ``episode_id``, ``sampler_id``."""
+
+    def rows(self, batch: Batch, step: int) -> list[dict[str, Any]]:
+        rows = super().rows(batch, step)
+        for i, row in enumerate(rows):
+            row["staleness"] = int(batch["staleness"][i])
+            row["weight_version"] = int(batch["weight_version"][i])
+            row["episode_id"] = str(batch["episode_id"][i])
+            row["sampler_id"] = str(batch["sampler_id"][i])
+        return rows
+
+
+class GroupReceiver:
+    """The receiving side of the learner; it reads the learner's ``cfg``, ``step`` (the step
+    acknowledgements are journaled under) and ``version`` (the weights it trains)."""
+
+    cfg: Config
+    step: int
+    version: int
+
+    def init_receiving(self, cfg: Config, vocab_size: int, out: Any) -> None:
+        """The checks groups must pass, the buffer, the ledger, the journal and the counters."""
+        a = cfg.asynchronous
+        optional = {"ref_log_prob": needs_reference(cfg) and a.ref_on == "sampler",
+                    "rm_scores": cfg.reward.reward_model.enable,
+                    **dict.fromkeys(AGENT_FIELDS, strategy_traits(cfg).multi_turn),
+                    **dict.fromkeys(STRUCTURED_FIELDS, structured_reward(cfg))}  # fmt: skip
+        self.limits = GroupLimits(
+            n=cfg.rollout.n,
+            vocab_size=vocab_size,
+            max_prompt=cfg.data.max_prompt_length,
+            max_response=cfg.rollout.max_response_length,
+            optional=frozenset(name for name, sent in optional.items() if sent),
+            temperature=cfg.rollout.temperature,
+        )
+        self.groups_per_step = cfg.data.train_batch_size
+        self.ledger = DeliveryLedger()
+        self.journal = AckJournal(out / "async" / "acks.jsonl")
+        self.buffer = GroupBuffer(a.max_staleness)
+        self.json_limits = json_limits(cfg)
+        self.buffer_limit = max_buffered_bytes(cfg)
+        self.counters: dict[str, int] = defaultdict(int)
+        self.counters["rejected"] = 0
+        self.rejects: dict[str, int] = defaultdict(int)  # rejected messages per sender
+        self.blocked: set[str] = set()  # senders disconnected after max_rejects rejections
+        self.samplers: set[str] = set()
+        self.incarnation = uuid.uuid4().hex
+        self.socket: LearnerSocket | None = None
+
+    def open_socket(self, port: int | None) -> None:
+        """Bind the learner's socket (``asynchronous.host`` and ``port``)."""
+        self.socket = LearnerSocket(
+            self.cfg.asynchronous,
+            port=port,
+            max_message_bytes=max_message_bytes(self.cfg),
+            json_limits=self.json_limits,
+        )
+
+    def _ack(self, sampler_id: str, acks: list[tuple[int, str, int]], journal: bool = True) -> None:
+        """Journal (durably), mark consumed, then tell the sampler."""
+        if journal:
+            self.journal.record(self.step, sampler_id, acks)
+            for seq, _, _ in acks:
+                self.ledger.add(sampler_id, seq)
+        pairs = [(seq, status) for seq, status, _ in acks]
+        self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs))
+
+    def _handle(self, sender: str, message: Message) -> int:
+        """Act on one message that decoded; returns 1 for a group that passed every check."""
+        if sender in self.blocked:
+            self._refuse(sender)
+            return 0
+        if message.kind == "hello":
+            self.samplers.add(sender)
+            header = {"incarnation": self.incarnation, "weight_version": self.version}
+            self.socket.send(sender, encode("welcome", header))
+            return 0
+        if message.kind != "episodes":
+            err = MessageError(f"a sampler may not send {message.kind!r} messages", "protocol")
+            self._reject(sender, err)
+            return 0
+        seq, batch = int(message.header["seq"]), message.batch
+        try:
+            version = int(message.header["weight_version"])
+            group = BufferedGroup(sender, seq, version, batch, nbytes=message.nbytes)
+            self.limits.check(batch, sender, seq, group.version, self.version)
+        except MessageError as e:
+            e.seq = seq
+            self._reject(sender, e)
+            return 0
+        except Exception as e:  # a failure on one group never ends the run
+            log.exception("learner: failed on group %s:%d before it joined a batch", sender, seq)
+            self._reject(sender, MessageError(f"{type(e).__name__}: {e}", "error", seq))
+            return 0
+        self.samplers.add(sender)
+        if self.ledger.consumed(sender, seq):
+            self.counters["duplicate_groups"] += 1
+            self._ack(sender, [(seq, "duplicate", len(batch))], journal=False)
+            return 1
+        if self.buffer.holds(sender, seq):
+            self.counters["duplicate_groups"] += 1
+            return 1
+        if self.buffer.is_stale(group, self.version):
+            self.counters["received_groups"] += 1
+            self._drop_stale([group])
+            return 1
+        if self.buffer.nbytes + group.nbytes > self.buffer_limit:
+            err = MessageError(
+                f"group {sender}:{seq} of {group.nbytes} bytes would take the buffered groups "
+                f"({self.buffer.nbytes} bytes) past {self.buffer_limit}",
+                "buffer_full",
+                seq,
+            )
+            self._reject(sender, err, strike=False)
+            return 0
+        self.counters["received_groups"] += 1
+        self.buffer.add(group)
+        return 1
+
+    def _reject(self, sender: str, err: MessageError, strike: bool = True) -> None:
+        """Count, log and acknowledge a rejected message; disconnect a sender rejected
+        ``asynchronous.max_rejects`` times (counting only rejections that ``strike``). A group
+        with a seq from a valid sampler id is journaled and marked consumed, like every other
+        acknowledged group."""
+        if sender in self.blocked:
+            self._refuse(sender)
+            return
+        self.counters["rejected"] += 1
+        self.counters[f"rejected/{err.reason}"] += 1
+        self.rejects[sender] += int(strike)
+        log.warning(
+            "learner: rejected message from sampler %r (seq %s, reason %s): %s",
+            sender, err.seq, err.reason, err,
+        )  # fmt: skip
+        seq = err.seq
+        try:
+            check_sampler_id(sender)
+            valid_sender = True
+        except MessageError:
+            valid_sender = False
+        if seq is not None and valid_sender and not self.ledger.consumed(sender, seq):
+            self.journal.record(self.step, sender, [(seq, "rejected", 0)])
+            self.ledger.add(sender, seq)
+        self.socket.send(sender, reject_message(self.incarnation, self.version, seq, err.reason))
+        limit = self.cfg.asynchronous.max_rejects
+        if strike and limit and self.rejects[sender] >= limit:
+            self.blocked.add(sender)
+            self.samplers.discard(sender)
+            self.counters["disconnected_samplers"] += 1
+            log.error(
+                "learner: sampler %r disconnected after %d rejected messages "
+                "(asynchronous.max_rejects=%d); its further messages are ignored",
+                sender, self.rejects[sender], limit,
+            )  # fmt: skip
+            self._refuse(sender, ignored=False)
+
+    def _refuse(self, sender: str, ignored: bool = True) -> None:
+        """Answer a disconnected sender ``disconnected`` and nothing else (``ignored``: the
+        message it answers is counted as ignored)."""
+        self.counters["ignored_messages"] += int(ignored)
+        reason = (
+            f"disconnected after {self.rejects[sender]} rejected messages "
+            f"(asynchronous.max_rejects={self.cfg.asynchronous.max_rejects})"
+        )
+        header = {"reason": reason, "rejected": self.rejects[sender]}
+        self.socket.send(sender, encode("disconnected", header))
+
+    def _drop_stale(self, groups: list[BufferedGroup]) -> None:
+        by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+        for g in groups:
+            by_sampler[g.sampler_id].append((g.seq, "stale", len(g.batch)))
+            self.counters["dropped_stale_groups"] += 1
+            self.counters["dropped_stale_episodes"] += len(g.batch)
+        for sampler_id, acks in by_sampler.items():
+            self._ack(sampler_id, acks)
+
+    def _receive(self, timeout_s: float) -> int:
+        """Handle the messages arriving within ``timeout_s`` (at most ``_DRAIN``); returns how
+        many groups passed the checks."""
+        groups = 0
+        for handled in range(_DRAIN):
+            try:
+                got = self.socket.recv(timeout_s if handled == 0 else 0.0)
+            except MessageError as e:
+                self._reject(e.sender if e.sender is not None else "?", e)
+                continue
+            if got is None:
+                break
+            groups += self._handle(*got)
+        dropped = self.socket.disconnects()
+        if dropped:
+            self.counters["peer_disconnects"] += dropped
+            log.info(
+                "learner: %d sampler connection(s) closed (a sampler exiting, or one sending a "
+                "frame over %d bytes: asynchronous.max_message_mb)",
+                dropped, max_message_bytes(self.cfg),
+            )  # fmt: skip
+        return groups
+
+    def collect(self) -> list[BufferedGroup]:
+        """Block until ``data.train_batch_size`` fresh-enough groups are buffered; take them."""
+        last_arrival = time.monotonic()
+        timeout = self.cfg.asynchronous.data_timeout_s
+        while True:
+            self._drop_stale(self.buffer.drop_stale(self.version))
+            if len(self.buffer) >= self.groups_per_step:
+                return self.buffer.take(self.groups_per_step)
+            if self._receive(1.0):
+                last_arrival = time.monotonic()
+            elif time.monotonic() - last_arrival > timeout:
+                raise TimeoutError(
+                    f"learner: no episode for {timeout:.0f}s on {self.socket.address} "
+                    f"({len(self.buffer)} of {self.groups_per_step} groups buffered); are the "
+                    "samplers running? (asynchronous.data_timeout_s)"
+                )
+
+    def acknowledge_trained(self, groups: list[BufferedGroup]) -> None:
+        """Journal and acknowledge ``groups`` as ``trained``, per sampler."""
+        by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+        for g in groups:
+            by_sampler[g.sampler_id].append((g.seq, "trained", len(g.batch)))
+        for sampler_id, acks in by_sampler.items():
+            self._ack(sampler_id, acks)
+        self.counters["trained_groups"] += len(groups)
+
+    def stop_samplers(self) -> None:
+        """Tell every sampler heard from to stop, then close the socket."""
+        if self.socket is None:
+            return
+        for sampler_id in sorted(self.samplers):
+            self.socket.send(sampler_id, encode("stop", {"reason": "learner finished"}))
+        time.sleep(0.2)  # let the io thread flush the stop messages (linger is 0)
+        self.socket.close()
+        self.socket = None
