@@ -46,7 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CAPACITY_STEP = 128  # cache positions are allocated in multiples of this
-MAX_STEPS = 8  # captured steps kept per decoder (least recently used dropped)
+MAX_STEPS = 4  # steps kept per decoder, each with its KV cache (least recently used dropped)
 _WARMUP = 2  # eager runs on a side stream before capture (CUDA's rule for capture)
 
 
