@@ -226,3 +226,39 @@ def test_agent_loop_observation_tokens_carry_no_distill_term(tmp_path: Path) -> 
     term = batch["token_level_rewards"] - batch["token_level_scores"]
     assert (term[observation] == 0).all()
     assert (term[mask.bool()] != 0).any()
+
+
+def test_distill_context_preset_hides_the_example_from_the_student_only() -> None:
+    cfg = load_config(
+        overrides=["preset=distill_context", f"model.path={tiny_model_dir()}",
+                   "data.train_size=4", "data.val_size=2"],
+    )  # fmt: skip
+    assert (cfg.distill.teacher, cfg.actor.policy_loss, cfg.data.few_shot) == ("self", "distill", 0)
+    tok = load_tokenizer(tiny_model_dir())
+    rows, val = build_datasets(cfg.data, tok, cfg.distill)
+    student, teacher = tok.decode(rows[0]["input_ids"]), tok.decode(rows[0]["teacher_prompt_ids"])
+    # the student: the question alone; the teacher: a worked exchange, then the same question
+    assert student.count("<|im_start|>assistant") == 1
+    assert teacher.count("<|im_start|>assistant") == 2
+    assert teacher.endswith(student.split("<|im_start|>user")[-1])
+    assert "teacher_prompt_ids" not in val[0]
+
+
+def test_a_runs_checkpoint_teaches(tmp_path: Path) -> None:
+    """distill.teacher = a run directory: its newest checkpoint's actor, rebuilt from the run's
+    config.yaml, scores the sampled tokens (config load checks its tokenizer through that
+    config's model.path)."""
+    teacher_run = tmp_path / "teacher"
+    # an entropy bonus moves the weights even where every score is equal
+    cfg = tiny_trainer_config(
+        teacher_run, "trainer.total_steps=1", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "actor.entropy_coeff=0.1",
+    )  # fmt: skip
+    RLTrainer(cfg).fit()
+    batch = _train(tmp_path / "student", f"distill.teacher={teacher_run}").last_batch
+    mask = batch["response_mask"].bool()
+    # the checkpoint is one update away from the student's initial weights: close, not equal
+    gap = (batch["teacher_log_prob"] - batch["old_log_probs"])[mask].abs()
+    assert 0 < float(gap.max()) < 5
+    step_dir = next((teacher_run / "checkpoints").glob("step_*"))
+    _train(tmp_path / "student2", f"distill.teacher={step_dir}")
