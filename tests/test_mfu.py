@@ -67,3 +67,12 @@ def test_a_step_logs_mfu_only_with_a_peak(tmp_path: Path):
     expected = 6 * params * metrics["perf/update_tokens_per_s"] / 0.5e12
     assert tokens == metrics["perf/total_num_tokens"]
     assert metrics["perf/mfu"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_device_peak_tflops_is_checked_at_config_load(capsys):
+    from helpers import refused
+
+    assert "trainer.device_peak_tflops=0 must be > 0" in refused(
+        capsys, "trainer.device_peak_tflops=0"
+    )
+    assert "is not a float" in refused(capsys, "trainer.device_peak_tflops=fast")
