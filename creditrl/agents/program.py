@@ -105,7 +105,8 @@ def _reward(value: Any) -> tuple[Any, str]:
 
 class ProgramRollout(EngineRollout):
     """Episodes of ``agent.program`` through the endpoint, as a rollout engine (see the module
-    docstring). ``turn_generator`` replaces the engine adapter (tests pass a scripted one)."""
+    docstring). ``turn_generator`` replaces the engine adapter (tests pass a scripted one);
+    ``program`` replaces ``agent.program`` (an environment's rollout, ``creditrl.environments``)."""
 
     def __init__(
         self,
@@ -117,15 +118,16 @@ class ProgramRollout(EngineRollout):
         fallback_score: float = 0.0,
         max_prompt_length: int | None = None,
         turn_generator: TurnGenerator | None = None,
+        program: Callable[..., Any] | None = None,
     ) -> None:
-        if agent_cfg.program is None:
-            raise ValueError("ProgramRollout needs agent.program")
+        if agent_cfg.program is None and program is None:
+            raise ValueError("ProgramRollout needs agent.program or a program")
         super().__init__(engine, tokenizer)
         self.cfg = agent_cfg
         self.rollout_cfg = rollout_cfg
         self.fallback_score = float(fallback_score)
         self.max_prompt_length = max_prompt_length
-        self.program = load_program(agent_cfg.program)
+        self.program = program or load_program(agent_cfg.program)
         self.turns = turn_generator or EngineTurnGenerator(
             engine,
             tokenizer,

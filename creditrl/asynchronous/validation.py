@@ -119,6 +119,7 @@ _META: dict[str, tuple[type, ...]] = {
     "eos_token_id": (int, list, type(None)),
     "reward_extra_keys": (list,),
     "step": (int,),
+    "endpoint": (dict,),  # an endpoint rollout's counts (creditrl.agents.program): name -> number
 }
 
 
@@ -252,6 +253,11 @@ def _check_non_tensors(group: Batch, where: str) -> None:
             ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         if key == "reward_extra_keys":
             ok = ok and all(isinstance(v, str) for v in value)
+        if key == "endpoint":
+            ok = ok and all(
+                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+                for k, v in value.items()
+            )
         if not ok or _non_finite_path(value, key):
             raise MessageError(
                 f"{where}: meta[{key!r}] = {value!r:.80}: wrong type or not finite",

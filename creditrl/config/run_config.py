@@ -7,7 +7,7 @@ names.
 that only an extension makes valid (a loss, an engine or an option it registers) is then one
 line naming the extensions and the flag. ``run_code`` lists the other settings that name code
 (``reward.scorer`` or ``algorithm.adv_estimator`` as ``file.py:name``, ``agent.program``,
-``agent.tool_config``), which ``creditrl eval`` would run with the run's config.
+``env.verifiers``, ``agent.tool_config``), which ``creditrl eval`` would run with the run's config.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def run_code(cfg: Config) -> list[str]:
     if is_code_spec(cfg.algorithm.adv_estimator):
         found.append(f"algorithm.adv_estimator={format_value(cfg.algorithm.adv_estimator)}")
     traits = strategy_traits(cfg)  # the code the selected rollout strategy runs
-    if traits.runs_program:
+    if cfg.env.verifiers is not None:
+        found.append(f"env.verifiers={format_value(cfg.env.verifiers)}")
+    elif traits.runs_program:
         found.append(f"agent.program={format_value(cfg.agent.program)}")
     if traits.uses_tools and cfg.agent.tool_config is not None:
         found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")

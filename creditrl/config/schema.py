@@ -572,6 +572,19 @@ class AgentConfig:
 
 
 @dataclass
+class EnvConfig:
+    """An environment from a hub, trained unchanged (``creditrl.environments``): its rows are
+    the prompts, its rollout runs each trajectory through the agent endpoint (the
+    ``agent.max_concurrent_episodes``, ``agent.episode_timeout_s`` and ``agent.endpoint_*``
+    settings apply), its rubric scores it. Needs ``pip install 'creditrl[verifiers]'``."""
+
+    verifiers: str | None = None
+    """A verifiers 0.3 environment: 'file.py:load_environment' or 'module:load_environment'."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of env.verifiers's load_environment."""
+
+
+@dataclass
 class DistillConfig:
     """On-policy distillation (``creditrl.core.distill``): a teacher scores every token the
     student sampled; its per-token reverse-KL term coef * (log p_teacher - log p_student) joins
@@ -604,5 +617,6 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)

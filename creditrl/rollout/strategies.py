@@ -4,11 +4,13 @@
 - ``agent_loop``: the built-in agent loop (``creditrl.agents.rollout``) around the engine,
   calling creditrl's tools;
 - ``agent_program``: the user's ``agent.program`` (``creditrl.agents.program``) through
-  creditrl's endpoint.
+  creditrl's endpoint;
+- ``verifiers``: a verifiers environment's rollouts (``env.verifiers``,
+  ``creditrl.environments``) through the same endpoint.
 
-The user's keys stay ``agent.enable`` and ``agent.program``; ``rollout_strategy`` is the one
-place that reads them to choose an entry. Every other module asks the chosen entry what it
-does (``strategy_traits``) or builds it (``build_rollout``).
+The user's keys stay ``agent.enable``, ``agent.program`` and ``env.verifiers``;
+``rollout_strategy`` is the one place that reads them to choose an entry. Every other module
+asks the chosen entry what it does (``strategy_traits``) or builds it (``build_rollout``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from creditrl.config.schema import Config
 from creditrl.core.registry import Registry
+from creditrl.errors import ConfigError
 
 __all__ = [
     "ROLLOUT_STRATEGIES",
@@ -41,7 +44,8 @@ class StrategyTraits:
       ``agent.keep_kv_cache`` (the engine keeps each sample's KV between turns) apply;
     - ``uses_tools``: it runs creditrl's tools (``agent.tools``, ``agent.tool_config``) and
       the built-in loop's settings, scored by ``agent.reward_manager``;
-    - ``runs_program``: it runs the user's ``agent.program`` (code; the endpoint's settings).
+    - ``runs_program``: it runs user code through the endpoint (``agent.program`` or an
+      environment's rollout; the endpoint's settings apply).
     """
 
     multi_turn: bool = False
@@ -80,9 +84,24 @@ def _agent_program(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     )
 
 
+@_register("verifiers", StrategyTraits(multi_turn=True, runs_program=True))
+def _verifiers(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    from creditrl.environments.verifiers import build_verifiers_rollout
+
+    return build_verifiers_rollout(engine, tokenizer, cfg)
+
+
 def rollout_strategy(cfg: Config) -> str:
-    """The entry ``cfg`` selects: ``agent_program`` when ``agent.program`` is set (with or
-    without ``agent.enable``), ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
+    """The entry ``cfg`` selects: ``verifiers`` when ``env.verifiers`` is set, ``agent_program``
+    when ``agent.program`` is set (with or without ``agent.enable``), ``agent_loop`` when
+    ``agent.enable``, else ``single_turn``."""
+    if cfg.env.verifiers is not None:
+        if cfg.agent.program is not None:
+            raise ConfigError(
+                "env.verifiers and agent.program both choose the rollout (each runs its own "
+                "episodes); set one of them"
+            )
+        return "verifiers"
     if cfg.agent.program is not None:
         return "agent_program"
     return "agent_loop" if cfg.agent.enable else "single_turn"

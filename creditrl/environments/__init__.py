@@ -1,0 +1,22 @@
+"""Environments from the hubs, trained unchanged.
+
+- ``verifiers``: a verifiers environment (``env.verifiers=FILE_OR_MODULE:load_environment``,
+  ``env.kwargs.*``): its rows are the run's prompts, each trajectory is its rollout against
+  creditrl's OpenAI-compatible endpoint (``creditrl.agents.program``, token-exact, drift
+  located), its rubric's total is the score and its named parts are extra metrics.
+
+Imports are lazy: ``verifiers`` is an optional extra (``pip install 'creditrl[verifiers]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["build_verifiers_rollout", "environment_datasets", "load_verifiers_environment"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("creditrl.environments.verifiers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,339 @@
+"""env.verifiers: a verifiers environment trained unchanged, token-exact, through creditrl's
+endpoint (its rows as prompts, its rollout per trajectory, its rubric as the score)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import tiny_engine_config
+
+from creditrl.config import load_config
+from creditrl.errors import ConfigError, DataError, UserCodeError
+from creditrl.models import load_tokenizer
+from creditrl.models.tiny import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS = Path(__file__).parent / "programs" / "verifiers_envs.py"
+CHAIN_SUM = ROOT / "examples" / "verifiers_chain_sum.py"
+CALCULATOR = ROOT / "examples" / "verifiers_calculator.py"
+needs_verifiers = pytest.mark.skipif(
+    importlib.util.find_spec("verifiers") is None,
+    reason="needs the verifiers extra: pip install 'creditrl[verifiers]'",
+)
+
+
+def env_config(out: Path, spec: str, *extra: str):
+    """The tiny model on ``spec``'s environment: 2 prompts x 2 episodes a step."""
+    return tiny_engine_config(
+        out, f"env.verifiers={spec}", "reward.num_workers=0", "data.max_prompt_length=1024",
+        "rollout.max_response_length=32", *extra,
+    )  # fmt: skip
+
+
+def step_metrics(out: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("step", 0) > 0]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(tiny_model_dir())
+
+
+def forced(scripts: list, eos: int, unrecorded: list[int]) -> Any:
+    """``ScriptedTurnGenerator`` that answers requests past the recorded trajectory (after a
+    rewritten history) with ``unrecorded``."""
+    from creditrl.agents.scripted import ScriptedTurnGenerator
+
+    class Forced(ScriptedTurnGenerator):
+        def _ids(self, request: Any) -> list[int]:
+            return unrecorded if request.sample < 0 else super()._ids(request)
+
+    return Forced(scripts, [eos])
+
+
+def scripted(tok, spec: str, replies: list[list[str]], *extra: str):
+    """(rollout, prompts): the environment's rollouts through the endpoint with each episode's
+    turns forced to ``replies[episode]`` (texts, each ended by EOS); two prompts, each twice."""
+    from creditrl.agents.program import ProgramRollout
+    from creditrl.data import collate_prompts
+    from creditrl.environments.verifiers import (
+        VerifiersProgram,
+        environment_datasets,
+        load_verifiers_environment,
+    )
+
+    cfg = env_config(Path("unused"), spec, "rollout.max_response_length=96", *extra)
+    train, _ = environment_datasets(cfg, tok)
+    eos = tok.eos_token_id
+    scripts = [[[*tok.encode(t, add_special_tokens=False), eos] for t in r] for r in replies]
+    rollout = ProgramRollout(
+        None, tok, cfg.agent, cfg.rollout, fallback_score=-1.0,
+        max_prompt_length=cfg.data.max_prompt_length,
+        turn_generator=forced(scripts, eos, [*tok.encode("ok", add_special_tokens=False), eos]),
+        program=VerifiersProgram(load_verifiers_environment(cfg.env)),
+    )  # fmt: skip
+    rows = [train[0], train[0], train[1], train[1]]
+    return rollout, collate_prompts(rows, tok.pad_token_id)
+
+
+def run(rollout, prompts):
+    try:
+        return rollout.generate(prompts, seed=1)
+    finally:
+        rollout.close()
+
+
+# ---- the package ---------------------------------------------------------------------------
+
+
+def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch) -> None:
+    from creditrl.preflight import preflight
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # import verifiers -> ImportError
+    cfg = load_config(overrides=[f"env.verifiers={ENVS}:load_environment", "env.kwargs.bonus=3"])
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert str(err.value) == (
+        "env.verifiers needs the verifiers package, which is not installed: "
+        "pip install 'creditrl[verifiers]'"
+    )
+
+
+def test_the_settings_select_the_strategy_and_are_documented(capsys) -> None:
+    from creditrl.cli import main
+    from creditrl.config.run_config import run_code
+    from creditrl.rollout.strategies import rollout_strategy
+
+    spec = f"{ENVS}:load_environment"
+    cfg = load_config(overrides=[f"env.verifiers={spec}", "env.kwargs.bonus=0.5"])
+    assert rollout_strategy(cfg) == "verifiers" and cfg.env.kwargs == {"bonus": 0.5}
+    assert run_code(cfg) == [f"env.verifiers='{spec}'"]
+    with pytest.raises(ConfigError, match=r"env\.verifiers and agent\.program both choose"):
+        load_config(overrides=[f"env.verifiers={spec}", f"agent.program={spec}"])
+    assert main(["config", "--doc", "env"]) == 0
+    doc = capsys.readouterr().out
+    assert "env.verifiers" in doc and "env.kwargs" in doc and "creditrl[verifiers]" in doc
+
+
+# ---- the examples and a user's file train --------------------------------------------------
+
+
+@needs_verifiers
+def test_the_chain_sum_example_trains_two_steps(tmp_path: Path) -> None:
+    """make run's chain_sum rows as a single-turn environment scored with math-verify: two
+    steps, every episode run by the environment, its rubric's parts logged."""
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = env_config(
+        tmp_path, f"{CHAIN_SUM}:load_environment", "env.kwargs.train_size=8",
+        "env.kwargs.val_size=2", "trainer.total_steps=2",
+    )  # fmt: skip
+    RLTrainer(cfg).fit()
+    steps = step_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["agent/episodes_ok"] == 4
+        assert 0.0 <= s["reward/vf_correct_answer_mean"] <= 1.0
+        assert s["reward/vf_answer_format_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@needs_verifiers
+def test_the_calculator_example_trains_two_steps(tmp_path: Path) -> None:
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = env_config(
+        tmp_path, f"{CALCULATOR}:load_environment", "env.kwargs.train_size=8",
+        "env.kwargs.val_size=2", "trainer.total_steps=2",
+    )  # fmt: skip
+    RLTrainer(cfg).fit()
+    steps = step_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(
+        s["agent/episodes_ok"] == 4 and "reward/vf_calculator_calls_mean" in s for s in steps
+    )
+
+
+@needs_verifiers
+def test_a_tool_call_runs_the_environments_tool_as_an_observation(tok) -> None:
+    """The calculator environment: a call, the tool's result appended as an observation (mask
+    0), then the answer; the rubric's total is the reward and its parts ride along."""
+    from creditrl.environments.verifiers import environment_datasets
+
+    cfg = env_config(Path("unused"), f"{CALCULATOR}:load_environment", "env.kwargs.train_size=4")
+    train, _ = environment_datasets(cfg, tok)
+    replies = []
+    for i in (0, 0, 1, 1):
+        question = train[i]["raw_prompt"][-1]["content"]
+        expression = question.removeprefix("What is ").removesuffix("?")
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        answer = train[i]["ground_truth"] if i == 0 else "0"
+        replies.append([f"<tool_call>{call}</tool_call>", f"<answer>{answer}</answer>"])
+    rollout, prompts = scripted(tok, f"{CALCULATOR}:load_environment", replies)
+    batch = run(rollout, prompts)
+    rewards = [e["program_reward"] for e in batch["extra_info"]]
+    assert [r["score"] for r in rewards] == [1.0, 1.0, 0.0, 0.0]
+    assert all(r["vf_calculator_calls"] == 1.0 and r["vf_num_turns"] == 2.0 for r in rewards)
+    for i in range(len(batch)):
+        info = batch["agent_info"][i]
+        assert info["episode"] == "ok" and info["endpoint_drift"] == []
+        mask = batch["response_mask"][i].bool()
+        real = batch["attention_mask"][i, -mask.shape[0] :].bool()
+        observation = batch["responses"][i][real & ~mask].tolist()
+        result = train[0 if i < 2 else 1]["ground_truth"]
+        assert result in tok.decode(observation) and batch["num_turns"][i] == 2
+
+
+@needs_verifiers
+def test_a_users_single_file_environment_trains_a_step_and_scores_with_its_rubric(
+    tmp_path: Path, tok
+) -> None:
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    spec = f"{ENVS}:load_environment"
+    long = "It is 7, I think, though I would like to check it again."
+    replies = [["7"], [long], ["4"], ["5"]]
+    rollout, prompts = scripted(tok, spec, replies, "env.kwargs.bonus=0.25")
+    rewards = [e["program_reward"] for e in run(rollout, prompts)["extra_info"]]
+    assert rewards == [
+        {"score": 1.25, "vf_says_answer": 1.0, "vf_short": 1.0, "vf_num_turns": 1.0},
+        {"score": 1.0, "vf_says_answer": 1.0, "vf_short": 0.0, "vf_num_turns": 1.0},
+        {"score": 1.25, "vf_says_answer": 1.0, "vf_short": 1.0, "vf_num_turns": 1.0},
+        {"score": 0.25, "vf_says_answer": 0.0, "vf_short": 1.0, "vf_num_turns": 1.0},
+    ]
+    RLTrainer(env_config(tmp_path, spec)).fit()
+    (step,) = step_metrics(tmp_path)
+    assert step["agent/episodes_ok"] == 4 and "reward/vf_says_answer_mean" in step
+
+
+@needs_verifiers
+def test_creditrl_eval_runs_the_environment(tmp_path: Path, capsys) -> None:
+    """Without an eval_dataset, validation is the first data.val_size rows."""
+    from creditrl.cli import main
+
+    code = main(["eval", f"model.path={tiny_model_dir()}", f"env.verifiers={ENVS}:load_environment",
+                 "data.val_size=2", "data.max_prompt_length=1024", "reward.num_workers=0",
+                 "rollout.max_response_length=16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "val/score:" in out
+
+
+@needs_verifiers
+def test_the_environment_trains_async(tmp_path: Path) -> None:
+    """The learner and one sampler (their loops, in this process) on the environment."""
+    from creditrl.asynchronous.launcher import free_port, load_from_args
+    from creditrl.asynchronous.learner import Learner
+    from creditrl.asynchronous.sampler import Sampler
+
+    args = [f"model.path={tiny_model_dir()}", f"env.verifiers={ENVS}:load_environment",
+            "actor.autocast=none", "data.train_batch_size=2", "rollout.n=2",
+            "rollout.max_response_length=16", "data.max_prompt_length=1024",
+            "actor.ppo_mini_batch_size=1", "reward.num_workers=0", "trainer.total_steps=2",
+            "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}",
+            "asynchronous.num_samplers=1"]  # fmt: skip
+    cfg, _, _ = load_from_args(args)
+    port = free_port()
+    learner = Learner(cfg, port=port)
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            learner.fit()
+        except BaseException as e:  # shown by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=fit)
+    thread.start()
+    code = Sampler(cfg, 0, port=port).run()
+    thread.join(timeout=120)
+    assert not errors and code == 0, errors
+    steps = step_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2]
+    # the rubric's total (says_answer + 0.5 x short) is the score the learner trains on
+    assert all(0.0 <= s["critic/score/mean"] <= 1.5 for s in steps)
+
+
+# ---- drift and broken environments ---------------------------------------------------------
+
+
+@needs_verifiers
+def test_a_rewritten_history_is_located_per_trajectory(tok) -> None:
+    """An environment that re-sends the conversation with its first reply rewritten: the
+    trajectory keeps what was recorded and the drift is located at the rewritten turn."""
+    rollout, prompts = scripted(tok, f"{ENVS}:rewrites_history", [["7", "yes"]] * 4)
+    batch = run(rollout, prompts)
+    for info in batch["agent_info"]:
+        assert info["episode"] == "ok" and info["stop_reason"] == "rewritten"
+        (drift,) = info["endpoint_drift"]
+        assert drift["turn"] == 1 and drift["recorded_text"] == "7<|im_end|>"
+        assert drift["rendered_text"].startswith("rewritten<|im_end|>")
+    assert rollout.last_metrics["tokenization/endpoint_rewritten"] == 4
+    assert rollout.last_metrics["tokenization/endpoint_drift_rate"] == 1.0
+
+
+@needs_verifiers
+def test_a_two_turn_environment_records_its_message_as_an_observation(tok) -> None:
+    rollout, prompts = scripted(tok, f"{ENVS}:two_turns", [["8", "7"]] * 4)
+    batch = run(rollout, prompts)
+    assert all(i["episode"] == "ok" and i["endpoint_drift"] == [] for i in batch["agent_info"])
+    assert [e["program_reward"]["score"] for e in batch["extra_info"]] == [1.0, 1.0, 0.0, 0.0]
+    mask = batch["response_mask"][0].bool()
+    real = batch["attention_mask"][0, -mask.shape[0] :].bool()
+    assert "Are you sure?" in tok.decode(batch["responses"][0][real & ~mask].tolist())
+
+
+@needs_verifiers
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        ("raises_in_load", UserCodeError,
+         "raises_in_load raised RuntimeError: cannot build 3 rows (called with env.kwargs [])"),
+        ("not_an_environment", UserCodeError,
+         "not_an_environment returned a builtins.dict, not a verifiers Environment"),
+        ("no_prompts", UserCodeError, "no_prompts raised KeyError: 'question'"),
+        ("empty_prompt", DataError, "env.verifiers train row 1 has an empty prompt"),
+        ("missing", UserCodeError, "has no function 'missing'"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_cannot_load_is_one_line(
+    tmp_path: Path, capsys, name: str, error: type, message: str
+) -> None:
+    from creditrl.cli import main
+    from creditrl.environments.verifiers import environment_datasets
+
+    cfg = env_config(tmp_path, f"{ENVS}:{name}")
+    with pytest.raises(error) as raised:
+        environment_datasets(cfg, load_tokenizer(tiny_model_dir()))
+    assert message in str(raised.value)
+    code = main(["train", f"model.path={tiny_model_dir()}", f"env.verifiers={ENVS}:{name}",
+                 f"trainer.output_dir={tmp_path}/cli", "data.max_prompt_length=1024"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: ") and message in last
+
+
+@needs_verifiers
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("raises_in_rollout", "KeyError: 'missing tool server'"),
+        ("raises_in_rubric",
+         "the environment's rubric failed: Error calling reward function fails: judge is down"),
+    ],
+)  # fmt: skip
+def test_a_failing_rollout_or_rubric_is_a_counted_fallback_episode(
+    tok, name: str, why: str
+) -> None:
+    rollout, prompts = scripted(tok, f"{ENVS}:{name}", [["7"]] * 4)
+    batch = run(rollout, prompts)
+    assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0] * 4
+    for info in batch["agent_info"]:
+        assert info["episode"] == "error" and why in info["episode_error"]
+    assert rollout.last_metrics["agent/episodes_error"] == 4
