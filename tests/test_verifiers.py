@@ -223,6 +223,10 @@ def test_creditrl_eval_runs_the_environment(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert "val/score:" in out
+    code = main(["eval", f"model.path={tiny_model_dir()}", f"env.verifiers={ENVS}:load_environment",
+                 "data.val_size=0", "data.max_prompt_length=1024"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 2 and "give env.verifiers's environment an eval_dataset" in last
 
 
 @needs_verifiers

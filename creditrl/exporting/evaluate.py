@@ -172,7 +172,8 @@ def validation_metrics(cfg: Config) -> dict[str, float]:
     if val_data is None or len(val_data) == 0:
         raise ConfigError(
             "nothing to evaluate: the config has no validation rows (set data.val_size > 0, "
-            "or data.val_files with data.train_files)"
+            "or data.val_files with data.train_files, or give env.verifiers's environment an "
+            "eval_dataset)"
         )
     worker = HybridWorker(cfg, roles=("rollout",))
     reward = build_reward_manager(cfg, tokenizer)
