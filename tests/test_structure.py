@@ -139,3 +139,48 @@ def test_the_name_branch_pattern_catches_the_forms() -> None:
     for line in lines:
         assert NAME_BRANCH.search(line), line
     assert not NAME_BRANCH.search("if name in POLICY_LOSSES:")
+
+
+def _engine_capabilities() -> set[str]:
+    """Every name ``RolloutEngine`` declares (attributes, methods) and every registered trait."""
+    from dataclasses import fields
+
+    from creditrl.rollout.engine import EngineTraits, RolloutEngine
+
+    declared = {name for name in vars(RolloutEngine) if not name.startswith("__")}
+    declared |= set(RolloutEngine.__annotations__)
+    return declared | {f.name for f in fields(EngineTraits)}
+
+
+def _capability_probes(tree: ast.AST, capabilities: set[str]) -> list[str]:
+    """``getattr``/``hasattr`` calls in ``tree`` naming a capability by a literal."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        if node.func.id not in ("getattr", "hasattr") or len(node.args) < 2:
+            continue
+        name = node.args[1]
+        if isinstance(name, ast.Constant) and name.value in capabilities:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_probes_an_engine_capability() -> None:
+    """What an engine can do (keeps turn KV, EOS ids, a capped view, stats, its model and
+    generator, sleep/wake, how weights reach it, ...) is declared on RolloutEngine with
+    conservative defaults and read from there: no module asks with getattr/hasattr."""
+    capabilities = _engine_capabilities()
+    assert {"keeps_turn_kv", "eos_token_ids", "capped", "last_stats", "weights_via"} <= capabilities
+    offenders = [
+        f"{path.relative_to(ROOT.parent)}:{probe}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for probe in _capability_probes(ast.parse(path.read_text()), capabilities)
+    ]
+    assert offenders == []
+
+
+def test_the_probe_finder_finds_probes() -> None:
+    tree = ast.parse('x = getattr(engine, "capped", None)\nif hasattr(e, "last_stats"): pass')
+    assert len(_capability_probes(tree, {"capped", "last_stats"})) == 2
+    assert _capability_probes(ast.parse('getattr(cfg, "seed")'), {"capped"}) == []

@@ -138,9 +138,7 @@ class ProgramRollout(EngineRollout):
         self.chat = ChatFormat(tokenizer, agent_cfg.tool_role)
         self.renders_tool_calls = "tool_calls" in (tokenizer.chat_template or "")
         self.endpoint: Endpoint | None = None
-        config = getattr(getattr(engine, "model", None), "config", None)
-        positions = getattr(config, "max_position_embeddings", None)
-        self.max_positions = positions if isinstance(positions, int) else None
+        self.max_positions = None if engine is None else engine.context_length()
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=0)
         self.live: dict[str, tuple[EpisodeRun, Transcript, list[int] | None]] = {}
 

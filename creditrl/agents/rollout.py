@@ -29,7 +29,7 @@ on the batch afterwards (``creditrl.agents.hooks``), where the trainer has it.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from creditrl.batch import Batch, assemble_rollout_batch
 from creditrl.config.schema import AgentConfig, RolloutConfig
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnGenerator
 from creditrl.tools import TOOL_STATUSES, ToolRegistry, build_registry
+
+if TYPE_CHECKING:
+    from creditrl.rollout.engine import RolloutEngine
 
 __all__ = [
     "AGENT_FIELDS",
@@ -170,7 +173,7 @@ class EngineRollout:
     metrics, trajectories and stats, and the engine's generator and model (weight syncs and
     checkpoints see the engine's)."""
 
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
+    def __init__(self, engine: RolloutEngine | None, tokenizer: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         pad = tokenizer.pad_token_id
@@ -181,7 +184,8 @@ class EngineRollout:
 
     @property
     def generator(self) -> torch.Generator | None:
-        return getattr(self.engine, "generator", None)
+        """The engine's generator (None without an engine: a scripted turn generator)."""
+        return None if self.engine is None else self.engine.generator
 
     @property
     def model(self) -> Any:

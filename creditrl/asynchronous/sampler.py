@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from creditrl.pipeline.step import (
     sampled_temperature,
 )
 from creditrl.plain_text import as_text
+from creditrl.rollout import engine_traits
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import Timer, Tracker
 from creditrl.trainers.prompts import batch_seed, prompt_batch
@@ -123,6 +125,7 @@ class Sampler:
         self.pipeline = StepPipeline(cfg, self.worker, self.reward, self.tokenizer)
         self.with_ref = with_ref
         self.weights = WeightSubscriber(weight_root(cfg))
+        self.weights_via = engine_traits(cfg.rollout.engine).weights_via
         self.version = self._load_weights(0)
         self.outbox = Outbox(state_root(cfg), self.sampler_id)
         if self.outbox.data_state is not None:
@@ -192,11 +195,19 @@ class Sampler:
 
     def _load_weights(self, current: int) -> int:
         """Load the newest published version into the policy (and push it to an engine that
-        holds its own copy); returns the version the policy now holds."""
+        holds its own copy), or hand its folder to an engine that reads published folders
+        itself (``weights_via="folder"``); returns the version the engine now samples with."""
+        if self.weights_via == "folder":
+            return self.weights.maybe_load_folder(self._engine_loads, current)
         version = self.weights.maybe_load(self.worker.policy_model, current)
         if version != current:
             self.worker.sync_rollout_weights()
         return version
+
+    def _engine_loads(self, folder: Path) -> None:
+        """The engine reads a published folder, its weights awake (the KV cache stays asleep)."""
+        self.worker.engine.wake_up(tags=["weights"])
+        self.worker.engine.load_weights_folder(folder)
 
     # ---- talking to the learner ----------------------------------------------------------
 

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,14 @@ class WeightSubscriber:
     def maybe_load(self, model: torch.nn.Module, current: int, attempts: int = 5) -> int:
         """Load the newest version into ``model`` if it is newer than ``current``; returns the
         version ``model`` now holds. A version pruned while being read is retried."""
+        return self.maybe_load_folder(lambda folder: self._load(model, folder), current, attempts)
+
+    def maybe_load_folder(
+        self, load: Callable[[Path], object], current: int, attempts: int = 5
+    ) -> int:
+        """``load(folder)`` the newest version's folder if it is newer than ``current`` (an
+        engine that reads published folders itself); returns the version now held. A version
+        pruned while being read (FileNotFoundError) is retried."""
         for _ in range(attempts):
             pointer = self._pointer()
             if pointer is None:
@@ -241,13 +250,15 @@ class WeightSubscriber:
             if version <= current:
                 return current
             try:
-                meta = read_json_file(folder / META_FILE, _POINTER_LIMITS)
-                tensors = load_tensors(folder / WEIGHTS_FILE)
+                load(folder)
             except FileNotFoundError:
                 continue
-            self._apply(model, meta["kind"], tensors, folder)
             return version
         raise RuntimeError(f"could not read a complete weight version under {self.root}")
+
+    def _load(self, model: torch.nn.Module, folder: Path) -> None:
+        meta = read_json_file(folder / META_FILE, _POINTER_LIMITS)
+        self._apply(model, meta["kind"], load_tensors(folder / WEIGHTS_FILE), folder)
 
     @staticmethod
     @torch.no_grad()

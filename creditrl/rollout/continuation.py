@@ -9,10 +9,11 @@ cut; the kept ids are a prefix of the sampled ones, so they remain the policy's 
 
 ``EngineTurnGenerator`` adapts any engine with the rollout interface
 (``creditrl.rollout.RolloutEngine``: ``generate(prompts: Batch, greedy=..., temperature=...) ->
-Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). An engine that offers
-``capped(max_new_tokens)`` (the HF engine: a view sharing its model, EOS ids and generator)
-samples no turn past the per-turn cap; other engines sample up to their own cap and the turn
-is cut. Nothing here asks which engine it is: it reads what the engine offers.
+Batch`` with ``responses``, ``response_mask``, ``rollout_log_probs``). It reads what the engine
+declares, never which engine it is: ``capped(max_new_tokens)`` (the HF engine: a view sharing
+its model, EOS ids and generator, so no turn is sampled past the per-turn cap; by default the
+engine itself, sampling up to its own cap, and the turn is cut), ``eos_token_ids`` (default:
+the tokenizer's EOS) and ``last_stats``.
 
 With ``keep_kv_cache`` and an engine whose ``keeps_turn_kv()`` says so (the HF engine, with
 its own ``generate`` and a model whose cache layers are all full attention), each sample's
@@ -24,14 +25,17 @@ loop calls ``end_run()`` at the end of every run, which frees them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.rollout.turn_cache import TurnKVCache
+
+if TYPE_CHECKING:
+    from creditrl.rollout.engine import RolloutEngine
 
 __all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
 
@@ -125,7 +129,7 @@ class EngineTurnGenerator:
 
     def __init__(
         self,
-        engine: Any,
+        engine: RolloutEngine,
         tokenizer: Any,
         *,
         max_tokens_per_turn: int = 0,
@@ -141,16 +145,14 @@ class EngineTurnGenerator:
         self.turn_cache: TurnKVCache | None = None
         self.run_stats: dict[str, float | None] = {"prefill_tokens": 0.0}
         self.last_run_stats: dict[str, float | None] = {}
-        keeps = getattr(engine, "keeps_turn_kv", None)
-        if keep_kv_cache and callable(keeps) and keeps():
+        if keep_kv_cache and engine.keeps_turn_kv():
             self.turn_cache = TurnKVCache()
-        eos = getattr(engine, "eos_token_ids", None)
+        eos = engine.eos_token_ids
         if eos is None:
             eos = [tokenizer.eos_token_id]
-        self.eos_token_ids = [int(t) for t in (eos.tolist() if hasattr(eos, "tolist") else eos)]
-        capped = getattr(engine, "capped", None)
-        if max_tokens_per_turn > 0 and callable(capped):
-            self.turn_engine = capped(max_tokens_per_turn)
+        self.eos_token_ids = [int(t) for t in (eos.tolist() if torch.is_tensor(eos) else eos)]
+        if max_tokens_per_turn > 0:
+            self.turn_engine = engine.capped(max_tokens_per_turn)
 
     def generate_turns(
         self,
@@ -173,7 +175,7 @@ class EngineTurnGenerator:
             )
         else:
             out = self.turn_engine.generate(prompts, greedy=greedy, temperature=temperature)
-        self._count(getattr(self.turn_engine, "last_stats", None) or {})
+        self._count(self.turn_engine.last_stats)
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].cpu(), out["rollout_log_probs"].cpu().float()
         results = []
@@ -184,7 +186,7 @@ class EngineTurnGenerator:
             results.append(TurnOutput(ids[:n], log_probs[i, :n].tolist()))
         return results
 
-    def _count(self, engine_stats: dict[str, float]) -> None:
+    def _count(self, engine_stats: Mapping[str, float]) -> None:
         prefill, total = engine_stats.get("prefill_tokens"), self.run_stats["prefill_tokens"]
         self.run_stats["prefill_tokens"] = (
             None if prefill is None or total is None else total + float(prefill)

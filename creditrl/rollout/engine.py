@@ -15,14 +15,17 @@ before the config is loaded (validation accepts registered names only)::
         def update_weights(self, named_tensors): ...
 
 and runs with ``rollout.engine=mine``. A builder function ``fn(args) -> RolloutEngine`` may be
-registered instead of a class, declaring its traits as keywords of the decorator.
+registered instead of a class, declaring its traits as keywords of the decorator. Every
+capability a caller relies on is declared on ``RolloutEngine`` with a conservative default (see
+its docstring) and read from there: nothing probes an engine for what it can do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
@@ -52,6 +55,7 @@ ROLLOUT_ENGINES: Registry = Registry("rollout engine")
 
 E = TypeVar("E")
 _REQUIRED = ("generate", "update_weights", "wake_up", "sleep", "generator")
+WEIGHT_TRANSFERS = ("tensors", "folder")
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,12 @@ class EngineArgs:
 
 
 class RolloutEngine:
-    """The interface every engine implements (subclassing it is optional but gives the no-op
-    ``wake_up``/``sleep``). Token ids in, token ids out: nothing is decoded or re-encoded.
+    """The interface every engine implements: subclass it (``build_rollout_engine`` refuses
+    an engine that does not); what it does not override keeps the conservative defaults below.
+    Token ids in, token ids out: nothing is decoded or re-encoded.
 
-    Declarations, read by the workers and the trainer instead of the engine's name:
+    Declarations of the class, read by the workers and the trainer instead of the engine's
+    name (``engine_traits``):
 
     - ``samples_with_actor_module``: the engine samples with the ``nn.Module`` it was given, so
       the actor's updates are visible at once and nothing is pushed (unless the actor is
@@ -93,19 +99,34 @@ class RolloutEngine:
       log-probs at the same temperature (same weights, same numerics), so the trainer may use
       them as ``old_log_probs`` (``rollout_log_probs_are_actors``);
     - ``supports_lora``: it samples from a LoRA actor (``model.lora_rank > 0``);
+    - ``weights_via``: how an async sampler's new weights reach it: ``"tensors"`` (the
+      policy module is loaded in this process and its tensors pushed with ``update_weights``)
+      or ``"folder"`` (``load_weights_folder`` reads the learner's published folder itself);
     - ``options``: the ``rollout.*`` settings only it reads (vLLM's memory share, say; one
       set for an engine that does not declare it draws a warning), and ``Option``s of its own
       (``creditrl.config.Option``), set as ``rollout.engine_kwargs.NAME`` and read from
       ``args.cfg.engine_kwargs`` (defaults filled in).
 
-    ``generator`` is the engine's ``torch.Generator`` (saved in checkpoints).
+    Declarations of an engine (attributes and methods, defaults here): ``generator`` its
+    ``torch.Generator`` (saved in checkpoints); ``model`` the module it samples with in this
+    process (None: none); ``eos_token_ids`` the ids that end a response (None: the
+    tokenizer's EOS); ``last_stats`` counts of the latest ``generate`` (``prefill_tokens``, ...;
+    empty: none reported); ``keeps_turn_kv()`` whether it continues a sample's KV between agent
+    turns (``generate_with_turn_cache``; False); ``capped(n)`` a view sampling at most ``n``
+    tokens a call (itself: turns are cut after sampling); ``context_length()`` the most
+    positions a sequence may take (the model's ``max_position_embeddings``; None: unknown);
+    ``wake_up``/``sleep`` (no-ops: it never releases memory).
     """
 
     samples_with_actor_module: ClassVar[bool] = False
     exact_log_probs: ClassVar[bool] = False
     supports_lora: ClassVar[bool] = True
+    weights_via: ClassVar[str] = "tensors"
     options: ClassVar[tuple[Any, ...]] = ()
     generator: torch.Generator
+    model: torch.nn.Module | None = None
+    eos_token_ids: Sequence[int] | torch.Tensor | None = None
+    last_stats: Mapping[str, float] = MappingProxyType({})
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> RolloutEngine:
@@ -154,6 +175,27 @@ class RolloutEngine:
     def sleep(self) -> None:
         """Release accelerator memory between rollouts. A no-op for engines that never sleep."""
 
+    def keeps_turn_kv(self) -> bool:
+        """Whether a sample's KV is kept between agent turns (``generate_with_turn_cache``)."""
+        return False
+
+    def capped(self, max_new_tokens: int) -> RolloutEngine:
+        """This engine sampling at most ``max_new_tokens`` a call (default: itself)."""
+        return self
+
+    def context_length(self) -> int | None:
+        """The most positions (prompt and response) a sequence may take, or None if unknown:
+        ``max_position_embeddings`` of ``model``'s config."""
+        config = getattr(self.model, "config", None)  # a Hugging Face module's, if it is one
+        positions = None if config is None else config.to_dict().get("max_position_embeddings")
+        return positions if isinstance(positions, int) else None
+
+    def load_weights_folder(self, folder: Path) -> None:
+        """Load the weights the learner published in ``folder`` (``creditrl.asynchronous.
+        weights``: ``weights.safetensors`` and ``meta.json``, whose ``kind`` says full, merged
+        or LoRA adapter tensors). Only an engine declaring ``weights_via="folder"`` is asked."""
+        raise NotImplementedError(f"{type(self).__name__} declares weights_via='folder'")
+
 
 def _available() -> str | None:
     return None
@@ -168,7 +210,12 @@ class EngineTraits:
     exact_log_probs: bool = False
     unavailable_reason: Callable[[], str | None] = _available
     supports_lora: bool = True
+    weights_via: str = "tensors"
     options: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.weights_via not in WEIGHT_TRANSFERS:
+            raise TypeError(f"weights_via={self.weights_via!r}: choose one of {WEIGHT_TRANSFERS}")
 
 
 _TRAITS = (
@@ -176,6 +223,7 @@ _TRAITS = (
     "exact_log_probs",
     "unavailable_reason",
     "supports_lora",
+    "weights_via",
     "options",
 )
 
@@ -184,8 +232,8 @@ def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable
     """Decorator: register an engine class (built by its ``from_args(args)``, else
     ``cls(args)``; its class attributes declare the traits) or a builder ``fn(args: EngineArgs)
     -> engine`` under ``name`` and ``aliases``. Keywords (``samples_with_actor_module``,
-    ``exact_log_probs``, ``unavailable_reason``, ``supports_lora``, ``options``) declare or
-    override the traits."""
+    ``exact_log_probs``, ``unavailable_reason``, ``supports_lora``, ``weights_via``,
+    ``options``) declare or override the traits."""
     unknown = sorted(set(traits) - set(_TRAITS))
     if unknown:
         raise TypeError(f"register_rollout_engine: unknown traits {unknown}; use {list(_TRAITS)}")
@@ -229,13 +277,15 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
     name = args.cfg.engine
     check_rollout_engine(name)
     entry = _entry(name)
-    builder = getattr(entry, "from_args", entry) if isinstance(entry, type) else entry
+    subclass = isinstance(entry, type) and issubclass(entry, RolloutEngine)
+    builder = entry.from_args if subclass else entry
     engine = builder(args)
     missing = [attr for attr in _REQUIRED if not hasattr(engine, attr)]
-    if missing:
+    if missing or not isinstance(engine, RolloutEngine):
+        lacks = f"lacks {missing}" if missing else "is not a creditrl.rollout.RolloutEngine"
         raise UserCodeError(
-            f"rollout.engine={name}: the engine it builds ({type(engine).__name__}) lacks "
-            f"{missing}; subclass creditrl.rollout.RolloutEngine (no-op wake_up/sleep) and "
+            f"rollout.engine={name}: the engine it builds ({type(engine).__name__}) {lacks}; "
+            "subclass creditrl.rollout.RolloutEngine (its declarations' defaults) and "
             "implement generate, update_weights and a torch.Generator `generator`"
         )
     return engine

@@ -292,7 +292,7 @@ class HybridWorker:
         finally:
             self.engine.sleep()
         out = to_cpu(out)  # the engine follows the model's device; the pipeline reads the CPU
-        prefill = (getattr(self.rollout, "last_stats", None) or {}).get("prefill_tokens")
+        prefill = self.rollout.last_stats.get("prefill_tokens")  # declared by every rollout
         if prefill is not None and len(out):
             counts = torch.zeros(len(out), dtype=torch.long)
             counts[0] = int(prefill)
