@@ -7,12 +7,16 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import tiny_engine_config
 
 import creditrl
+from creditrl.batch import Batch
 from creditrl.config import load_config, load_config_with_sources
+from creditrl.errors import ConfigError
+from creditrl.rollout import register_rollout_strategy
 from creditrl.rollout.strategies import (
     ROLLOUT_STRATEGIES,
     StrategyTraits,
@@ -29,8 +33,9 @@ READERS = {"rollout/strategies.py", "agents/program.py", "config/run_config.py"}
 
 
 def test_the_registry_lists_the_strategies_and_what_each_declares() -> None:
-    assert list(ROLLOUT_STRATEGIES) == ["single_turn", "agent_loop", "agent_program", "verifiers"]
-    traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in ROLLOUT_STRATEGIES}
+    built_in = ["single_turn", "agent_loop", "agent_program", "verifiers"]
+    assert list(ROLLOUT_STRATEGIES)[:4] == built_in  # (then the ones tests register)
+    traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in built_in}
     assert traits == {
         "single_turn": StrategyTraits(),
         "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True),
@@ -83,6 +88,46 @@ def test_agent_program_alone_trains_a_step(tmp_path: Path) -> None:
     steps = [r for r in rows if r.get("step", 0) > 0]
     assert [r["step"] for r in steps] == [1]
     assert steps[0]["agent/episodes_ok"] == 4 and steps[0]["critic/score/mean"] == 1.0
+
+
+class Recorded:
+    """A user's strategy: the engine samples, and every prompt batch is recorded."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.calls = engine, []
+
+    @property
+    def last_stats(self) -> Any:
+        return self.engine.last_stats
+
+    def generate(self, prompts: Batch, **kwargs: Any) -> Batch:
+        self.calls.append(len(prompts))
+        return self.engine.generate(prompts, **kwargs)
+
+
+@register_rollout_strategy("test_recorded")
+def recorded(engine: Any, tokenizer: Any, cfg: Any) -> Recorded:
+    return Recorded(engine)
+
+
+def test_a_registered_strategy_is_chosen_by_rollout_strategy(tmp_path: Path) -> None:
+    """register_rollout_strategy (exported by creditrl.rollout) adds an entry with its traits
+    (default: single-turn); rollout.strategy chooses it and a step generates through it; an
+    unregistered name is one ConfigError naming the choices."""
+    assert ROLLOUT_STRATEGIES.info("test_recorded")["traits"] == StrategyTraits()
+    cfg = tiny_engine_config(tmp_path, "rollout.strategy=test_recorded", "trainer.test_freq=0")
+    assert rollout_strategy(cfg) == "test_recorded"
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+        assert trainer.workers.worker.rollout.calls == [4]  # 2 prompts x rollout.n=2
+        assert "critic/score/mean" in metrics
+    finally:
+        trainer.close()
+    with pytest.raises(ConfigError, match=r"rollout.strategy='nope' is not a registered .*"
+                                          r"agent_loop, agent_program, single_turn"):  # fmt: skip
+        load_config(overrides=["rollout.strategy=nope"])
 
 
 def _agent_key_reads(tree: ast.AST) -> list[int]:

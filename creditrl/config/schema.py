@@ -105,6 +105,8 @@ class RolloutConfig:
         default_factory=dict, metadata=meta(options_for="rollout.engine")
     )
     """Options the chosen engine declares for itself (its Options; defaults filled in)."""
+    strategy: str | None = None
+    """A strategy from creditrl.rollout.register_rollout_strategy; null: by the agent/env keys."""
     n: int = field(default=4, metadata=meta(range=AT_LEAST_1))
     """Trajectories sampled per prompt (the GRPO group size)."""
     temperature: float = field(

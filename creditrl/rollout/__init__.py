@@ -20,6 +20,7 @@ from creditrl.rollout.sampling import (
     filter_logits,
     sample_next_tokens,
 )
+from creditrl.rollout.strategies import StrategyTraits, register_rollout_strategy
 from creditrl.rollout.vllm_engine import VLLMRolloutEngine
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "HFRolloutEngine",
     "RolloutEngine",
     "SamplingParams",
+    "StrategyTraits",
     "VLLMRolloutEngine",
     "build_rollout_engine",
     "check_rollout_engine",
@@ -36,6 +38,7 @@ __all__ = [
     "eos_token_ids_of",
     "filter_logits",
     "register_rollout_engine",
+    "register_rollout_strategy",
     "rollout_log_probs_are_actors",
     "sample_next_tokens",
 ]

@@ -10,7 +10,8 @@
 
 The user's keys stay ``agent.enable``, ``agent.program`` and ``env.verifiers``;
 ``rollout_strategy`` is the one place that reads them to choose an entry. Every other module
-asks the chosen entry what it does (``strategy_traits``) or builds it (``build_rollout``).
+asks the chosen entry what it does (``strategy_traits``) or builds it (``build_rollout``). More
+entries are added with ``register_rollout_strategy`` and chosen with ``rollout.strategy``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "ROLLOUT_STRATEGIES",
     "StrategyTraits",
     "build_rollout",
+    "register_rollout_strategy",
     "rollout_strategy",
     "strategy_traits",
 ]
@@ -53,8 +55,18 @@ class StrategyTraits:
     runs_program: bool = False
 
 
-def _register(name: str, traits: StrategyTraits) -> Callable[[RolloutBuilder], RolloutBuilder]:
-    return ROLLOUT_STRATEGIES.register(name, traits=traits)
+def register_rollout_strategy(
+    name: str, traits: StrategyTraits | None = None
+) -> Callable[[RolloutBuilder], RolloutBuilder]:
+    """Decorator: add ``fn(engine, tokenizer, cfg) -> rollout`` as rollout strategy ``name``,
+    declaring what it does (``traits``; default: single-turn batches), chosen with
+    ``rollout.strategy=name``. The rollout it builds samples as an engine does
+    (``generate(prompts, *, greedy, temperature, seed) -> Batch``) and declares ``last_stats``
+    (a ``creditrl.rollout.RolloutEngine`` or ``creditrl.agents.rollout.EngineRollout``)."""
+    return ROLLOUT_STRATEGIES.register(name, traits=traits or StrategyTraits())
+
+
+_register = register_rollout_strategy
 
 
 @_register("single_turn", StrategyTraits())
@@ -92,9 +104,18 @@ def _verifiers(engine: Any, tokenizer: Any, cfg: Config) -> Any:
 
 
 def rollout_strategy(cfg: Config) -> str:
-    """The entry ``cfg`` selects: ``verifiers`` when ``env.verifiers`` is set, ``agent_program``
-    when ``agent.program`` is set (with or without ``agent.enable``), ``agent_loop`` when
-    ``agent.enable``, else ``single_turn``."""
+    """The entry ``cfg`` selects: ``rollout.strategy`` when set (a ConfigError naming the
+    choices when nothing is registered under it), else ``verifiers`` when ``env.verifiers`` is
+    set, ``agent_program`` when ``agent.program`` is set (with or without ``agent.enable``),
+    ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
+    chosen = cfg.rollout.strategy
+    if chosen is not None:
+        if chosen not in ROLLOUT_STRATEGIES:
+            raise ConfigError(
+                f"rollout.strategy={chosen!r:.80} is not a registered rollout strategy; choose "
+                f"one of {', '.join(ROLLOUT_STRATEGIES.names())} (or null)"
+            )
+        return chosen
     if cfg.env.verifiers is not None:
         if cfg.agent.program is not None:
             raise ConfigError(
