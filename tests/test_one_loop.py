@@ -117,6 +117,9 @@ def _agent_group(group: Batch) -> Batch:
             "status": "ok", "output": "3", "seconds": 0.01}  # fmt: skip
     group["tool_calls"] = [[call]] + [[] for _ in range(n - 1)]
     group["agent_info"] = [{"stop_reason": "answer", "num_turns": 1, "observation_tokens": 0}] * n
+    group["structured_rewards"] = [
+        {"turn_rewards": {}, "global_rewards": {"_raw_exact_match": 1.0}}
+    ] * n
     group["turn_scores"] = torch.zeros(n)
     group["global_scores"] = group["token_level_scores"].sum(-1)
     return group
@@ -147,3 +150,27 @@ def test_both_loops_validate_and_save_on_one_schedule(tmp_path: Path) -> None:
     extra = ("trainer.test_freq=0", "data.train_size=8", "data.val_size=2")
     learner = _learner(tmp_path, *extra)
     assert learner.schedule.validates(0) and len(learner.val_rows) == 2
+
+
+AGENT_KEYS = ("tools/", "num_turns/", "agent/", "tokenization/")
+
+
+def test_async_agent_step_logs_the_agent_keys_of_a_synchronous_step(tmp_path: Path) -> None:
+    """The same tools/*, num_turns/*, agent/* and tokenization/* keys per training step as
+    `creditrl train preset=calculator_agent` logs (one hook, TrainingHalf.step_metrics)."""
+    sync_cfg = tiny_trainer_config(
+        tmp_path / "sync", "preset=calculator_agent", "trainer.test_freq=0",
+        "reward.num_workers=0", "agent.max_turns=2",
+    )  # fmt: skip
+    trainer = RLTrainer(sync_cfg)
+    try:
+        trainer.step = 1
+        sync = trainer.train_step()
+    finally:
+        trainer.close()
+    learner = _learner(tmp_path / "async", "preset=calculator_agent", "trainer.test_freq=0")
+    mine = _step(learner, [_agent_group(g) for g in _groups(0, 0)])
+    learner.publisher.wait()
+    wanted = {k for k in sync if k.startswith(AGENT_KEYS)}
+    assert "tools/calls" in wanted and "num_turns/mean" in wanted
+    assert {k for k in mine if k.startswith(AGENT_KEYS)} == wanted

@@ -224,6 +224,7 @@ class Learner(GroupReceiver, TrainingLoop):
 
     def source_metrics(self, whole: Batch) -> dict[str, float]:
         metrics = staleness_metrics(whole["staleness"])
+        metrics.update(self.training.scored_elsewhere_metrics(whole))
         metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})
         metrics.update(
             {

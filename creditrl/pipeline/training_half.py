@@ -66,6 +66,21 @@ class TrainingHalf:
             self.console.print("[yellow]warning:[/yellow]", as_text(warning))
         return batch, metrics
 
+    def scored_elsewhere_metrics(self, batch: Batch) -> dict[str, float]:
+        """What ``creditrl train`` logs from its structured reward and a batch scored elsewhere
+        (an async sampler's groups) carries the inputs of: the tool-use shares
+        ``agent/called_tool`` and ``agent/tool_then_correct`` (``tool_use_metrics``), from the
+        trajectories' tool calls and global rewards."""
+        if not self.pipeline.plan.structured_reward or "tool_calls" not in batch:
+            return {}
+        from creditrl.agents.rewards import tool_use_metrics
+
+        rewards = (
+            batch["structured_rewards"] if "structured_rewards" in batch else [{}] * len(batch)
+        )
+        global_rewards = [r.get("global_rewards", {}) for r in rewards]
+        return tool_use_metrics(list(batch["tool_calls"]), global_rewards)[0]
+
     def step_metrics(
         self, batch: Batch, timing: dict[str, float], whole: Batch | None = None
     ) -> dict[str, float]:
