@@ -6,8 +6,9 @@
 arithmetic asked as "What is 48 + 27 - 19?", the calculator described in the system prompt
 with one worked call) as a ``datasets.Dataset``, a ``vf.ToolEnv`` whose ``calculator`` tool
 evaluates + - * / from the parsed syntax tree (never eval), and a rubric: 1 for the right
-answer inside ``<answer></answer>``. ToolEnv adds its tool-call counts as metrics
-(``reward/vf_calculator_calls_mean``).
+answer inside ``<answer></answer>`` plus 0.2 for calling the calculator (the untrained model
+mostly calls tools that do not exist, so the answer alone rarely differs within a group).
+ToolEnv adds its tool-call counts as metrics (``reward/vf_calculator_calls_mean``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ def _with_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def calls_calculator(completion: Any, **_: Any) -> float:
+    """1 when an assistant message called the calculator."""
+    for message in completion or []:
+        for call in getattr(message, "tool_calls", None) or []:
+            if getattr(call, "name", None) == "calculator":
+                return 1.0
+    return 0.0
+
+
 def load_environment(
     train_size: int = 2000, val_size: int = 32, seed: int = 0, max_turns: int = 3
 ) -> vf.Environment:
@@ -110,6 +120,6 @@ def load_environment(
         eval_dataset=dataset(val),
         tools=[calculator],
         max_turns=max_turns,
-        rubric=vf.Rubric(funcs=[correct_answer], weights=[1.0]),
+        rubric=vf.Rubric(funcs=[correct_answer, calls_calculator], weights=[1.0, 0.2]),
         sampling_args={"max_tokens": 48},
     )

@@ -178,7 +178,8 @@ def test_a_tool_call_runs_the_environments_tool_as_an_observation(tok) -> None:
     rollout, prompts = scripted(tok, f"{CALCULATOR}:load_environment", replies)
     batch = run(rollout, prompts)
     rewards = [e["program_reward"] for e in batch["extra_info"]]
-    assert [r["score"] for r in rewards] == [1.0, 1.0, 0.0, 0.0]
+    assert [r["score"] for r in rewards] == [1.2, 1.2, 0.2, 0.2]
+    assert [r["vf_correct_answer"] for r in rewards] == [1.0, 1.0, 0.0, 0.0]
     assert all(r["vf_calculator_calls"] == 1.0 and r["vf_num_turns"] == 2.0 for r in rewards)
     for i in range(len(batch)):
         info = batch["agent_info"][i]
