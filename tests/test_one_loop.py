@@ -7,11 +7,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import model_group, tiny_learner_config, tiny_trainer_config
 
 from creditrl.asynchronous.learner import Learner
-from creditrl.asynchronous.messages import decode, episodes_message
+from creditrl.asynchronous.messages import MessageError, decode, episodes_message
 from creditrl.batch import Batch
 from creditrl.models import load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
@@ -174,3 +175,28 @@ def test_async_agent_step_logs_the_agent_keys_of_a_synchronous_step(tmp_path: Pa
     wanted = {k for k in sync if k.startswith(AGENT_KEYS)}
     assert "tools/calls" in wanted and "num_turns/mean" in wanted
     assert {k for k in mine if k.startswith(AGENT_KEYS)} == wanted
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("tool_calls", [["not a dict"]]),
+        ("tool_calls", [[{"status": "fine"}]]),
+        ("agent_info", ["text"]),
+        ("agent_info", [{"stop_reason": "x" * 200}]),
+        ("agent_info", [{"stop_reason": "answer", "observation_tokens": "many"}]),
+        ("structured_rewards", [{"global_rewards": ["_raw_exact_match"]}]),
+        ("structured_rewards", [{"global_rewards": {"_raw_exact_match": "yes"}}]),
+    ],
+)
+def test_agent_columns_the_step_metrics_read_are_checked(column: str, value: list) -> None:
+    """The learner's step metrics read a group's tool calls, agent info and structured rewards:
+    one that would break them (or name arbitrary metric keys) fails decoding as non_tensor, so
+    the learner rejects and counts it; it never reaches a step (before, it was accepted and
+    ended the run in the step's metrics)."""
+    group = _agent_group(_groups(0, 0)[0])
+    assert decode(episodes_message("s0", 0, group)).batch is not None  # as sent: accepted
+    group[column] = value * len(group)
+    with pytest.raises(MessageError, match=rf"{column}\[0\]") as refused:
+        decode(episodes_message("s0", 0, group))
+    assert refused.value.reason == "non_tensor"

@@ -7,8 +7,10 @@ Two layers: ``check_payload`` (``messages.decode`` calls it) needs only the JSON
 JSON of the non-tensor columns and meta is within its byte, depth and item limits before it is
 decoded (``bounded_json``), the payload parses as a creditrl batch, every field is known and
 has its catalogue dtype and a consistent shape, ids are >= 0, masks are 0/1, floats are finite,
-non-tensors and meta have their types; it also tells the bytes the group holds, which the
-learner's buffer is bounded by (``max_group_bytes`` is the most an accepted group holds).
+non-tensors and meta have their types, the agent columns hold what the learner's step
+metrics read (tool calls with a known status, short stop reasons, numeric rewards); it also
+tells the bytes the group holds, which the learner's buffer is bounded by (``max_group_bytes``
+is the most an accepted group holds).
 ``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
 within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
 model's vocabulary, the optional fields this run sends, a weight version not in the future.
@@ -21,6 +23,7 @@ concatenate with the others.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ import torch
 from creditrl.batch import Batch, fields
 from creditrl.batch import io as batch_io
 from creditrl.bounded_json import JsonLimitError, JsonLimits, held_bytes
+from creditrl.tools.base import TOOL_STATUSES
 
 __all__ = [
     "AGENT_FIELDS",
@@ -246,6 +250,7 @@ def _check_non_tensors(group: Batch, where: str) -> None:
                 )
             if _non_finite_path(value, f"{name}[{i}]"):
                 raise MessageError(f"{where}: {name}[{i}] holds a non-finite float", "non_finite")
+    _check_agent_columns(group, where)
     for key, value in group.meta.items():
         allowed = _META[key]
         ok = isinstance(value, allowed) and not isinstance(value, bool)
@@ -263,6 +268,48 @@ def _check_non_tensors(group: Batch, where: str) -> None:
                 f"{where}: meta[{key!r}] = {value!r:.80}: wrong type or not finite",
                 "non_tensor",
             )
+
+
+_NAME = re.compile(r"[a-z_]{1,32}")  # a stop reason or episode status: a metric key's end
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _agent_value_problem(name: str, value: Any) -> str | None:
+    """What is wrong with one value of an agent column the learner's step metrics read
+    (``creditrl.agents.rollout.agent_metrics``, ``tool_use_metrics``), or None."""
+    if name == "tool_calls":
+        if not all(isinstance(c, dict) and c.get("status") in TOOL_STATUSES for c in value):
+            return f"a call that is not a dict with a status in {TOOL_STATUSES}"
+    elif name == "agent_info" and value is not None:
+        if not isinstance(value, dict):
+            return "not a dict"
+        for key in ("stop_reason", "episode"):
+            name_value = value.get(key)
+            if name_value is not None and not (
+                isinstance(name_value, str) and _NAME.fullmatch(name_value)
+            ):
+                return f"{key} is not a short lower-case name"
+        tokens = value.get("observation_tokens", 0)
+        if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
+            return "observation_tokens is not an int >= 0"
+    elif name == "structured_rewards":
+        for key in ("global_rewards", "turn_rewards"):
+            part = value.get(key, {})
+            if not (isinstance(part, dict) and all(_number(v) for v in part.values())):
+                return f"{key} is not a mapping of numbers"
+    return None
+
+
+def _check_agent_columns(group: Batch, where: str) -> None:
+    """The agent columns' contents, as the learner's step metrics read them."""
+    for name in ("tool_calls", "agent_info", "structured_rewards"):
+        for i, value in enumerate(group.non_tensors.get(name, ())):
+            problem = _agent_value_problem(name, value)
+            if problem is not None:
+                raise MessageError(f"{where}: {name}[{i}]: {problem}", "non_tensor")
 
 
 def check_payload(
