@@ -342,3 +342,20 @@ def test_a_failing_rollout_or_rubric_is_a_counted_fallback_episode(
     for info in batch["agent_info"]:
         assert info["episode"] == "error" and why in info["episode_error"]
     assert rollout.last_metrics["agent/episodes_error"] == 4
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [{"requests": "4"}, {"requests": True}, {"seconds": float("nan")}, {"requests": [1]}, [1.0]],
+)
+def test_the_learner_takes_an_endpoint_rollouts_counts_only_as_numbers(endpoint: Any) -> None:
+    """meta['endpoint'] (an agent program's or environment's rollout counts) reaches the
+    learner as a dict of finite numbers or the group is rejected."""
+    from creditrl.asynchronous.validation import MessageError, _check_non_tensors
+    from creditrl.batch import Batch
+
+    good = {"requests": 8.0, "refused": 0.0, "seconds": 0.5}
+    _check_non_tensors(Batch({}, {}, {"endpoint": good}), "group")
+    with pytest.raises(MessageError, match=r"meta\['endpoint'\]") as err:
+        _check_non_tensors(Batch({}, {}, {"endpoint": endpoint}), "group")
+    assert err.value.reason == "non_tensor"
