@@ -9,16 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, refused, tiny_learner_config, tiny_trainer_config
+from helpers import model_group, read_metrics, refused, tiny_learner_config, tiny_trainer_config
 
 from creditrl.agents.scripted import ScriptedTurnGenerator
 from creditrl.asynchronous.launcher import free_port
 from creditrl.asynchronous.learner import Learner
+from creditrl.asynchronous.messages import decode, episodes_message
+from creditrl.asynchronous.receiver import GroupReceiver
 from creditrl.asynchronous.sampler import Sampler
+from creditrl.asynchronous.validation import MessageError
 from creditrl.batch import Batch
 from creditrl.config import DistillConfig, load_config
 from creditrl.data import build_datasets
-from creditrl.models import load_tokenizer
+from creditrl.models import load_causal_lm, load_tokenizer
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.pipeline import stages
 from creditrl.trainers.rl_trainer import RLTrainer
@@ -160,13 +163,15 @@ def test_sync_step_with_a_privileged_prompt_and_the_pure_loss(tmp_path: Path) ->
     assert step["distill/rejected_teacher_prompts"] == 0
 
 
-def test_async_learner_computes_the_teacher(tmp_path: Path) -> None:
+def _async_step(out: Path, *extra: str) -> Learner:
+    """One async step (a learner and a sampler in this process, staleness 0) with a
+    privileged-prompt teacher; returns the learner after it."""
     cfg = tiny_learner_config(
-        tmp_path / "run", "data.train_size=8", "data.val_size=0", "trainer.total_steps=1",
+        out, "data.train_size=8", "data.val_size=0", "trainer.total_steps=1",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
         "rollout.max_response_length=8", "reward.num_workers=0",
         f"distill.teacher={tiny_model_dir(seed=1)}", "distill.teacher_prompt=ground_truth",
-        "asynchronous.max_staleness=0",
+        "asynchronous.max_staleness=0", *extra,
     )  # fmt: skip
     port = free_port()
     learner = Learner(cfg, port=port)
@@ -183,13 +188,59 @@ def test_async_learner_computes_the_teacher(tmp_path: Path) -> None:
     code = Sampler(cfg, 0, port=port).run()
     thread.join(timeout=120)
     assert not errors and code == 0, errors
-    batch = learner.last_batch
+    return learner
+
+
+def test_async_learner_computes_the_teacher(tmp_path: Path) -> None:
+    batch = _async_step(tmp_path / "run").last_batch
     assert all(isinstance(ids, list) and ids for ids in batch["teacher_prompt_ids"])
     mask = batch["response_mask"]
     d = (batch["teacher_log_prob"] - batch["old_log_probs"]) * mask
     assert d.abs().sum() > 0
     expected = batch["token_level_scores"] + d
     assert torch.allclose(batch["token_level_rewards"], expected, atol=1e-6)
+
+
+def test_sampler_side_teacher_equals_learner_side_teacher(tmp_path: Path) -> None:
+    """distill.teacher_on=sampler: the sampler scores the sampled ids under the teacher and
+    ships teacher_log_prob (a checked optional log-prob field); the learner, which then builds
+    no teacher, skips the stage. Same seed, staleness 0: the same tokens get the same teacher
+    log-probs and the same rewards as when the learner computes them."""
+    on_learner = _async_step(tmp_path / "learner")
+    on_sampler = _async_step(tmp_path / "sampler", "distill.teacher_on=sampler")
+    assert on_learner.workers.worker.teacher is not None
+    assert on_sampler.workers.worker.teacher is None
+    a, b = on_learner.last_batch, on_sampler.last_batch
+    assert torch.equal(a["responses"], b["responses"])
+    mask = a["response_mask"].bool()
+    assert (a["teacher_log_prob"] - a["old_log_probs"])[mask].abs().sum() > 0
+    for key in ("teacher_log_prob", "token_level_rewards"):
+        assert torch.allclose(a[key][mask], b[key][mask], atol=1e-5), key
+    key = "distill/reverse_kl"
+    learned = read_metrics(tmp_path / "learner")[1][key]
+    assert read_metrics(tmp_path / "sampler")[1][key] == pytest.approx(learned, abs=1e-5)
+
+
+def test_teacher_log_prob_is_accepted_only_from_a_teacher_on_sampler_run(tmp_path: Path) -> None:
+    """The learner accepts teacher_log_prob only with distill.teacher_on=sampler, and checks
+    it like ref_log_prob (finite, <= 0)."""
+    group = model_group(load_causal_lm(tiny_model_dir()), "s0", 0, 0)
+    group["teacher_log_prob"] = group["rollout_log_probs"].clone()
+    teacher = f"distill.teacher={tiny_model_dir(seed=1)}"
+    with_teacher = GroupReceiver()
+    cfg = tiny_learner_config(tmp_path, teacher, "distill.teacher_on=sampler")
+    with_teacher.init_receiving(cfg, 10**6, tmp_path / "a")
+    with_teacher.limits.check(group, "s0", 0, 0, 0)
+    without = GroupReceiver()
+    without.init_receiving(tiny_learner_config(tmp_path, teacher), 10**6, tmp_path / "b")
+    with pytest.raises(MessageError, match="teacher_log_prob") as refused_group:
+        without.limits.check(group, "s0", 0, 0, 0)
+    assert refused_group.value.reason == "fields"
+    for bad, reason in ((float("nan"), "non_finite"), (0.5, "value")):
+        group["teacher_log_prob"][0, 0] = bad
+        with pytest.raises(MessageError) as err:
+            decode(episodes_message("s0", 0, group))
+        assert err.value.reason == reason
 
 
 def test_agent_loop_observation_tokens_carry_no_distill_term(tmp_path: Path) -> None:

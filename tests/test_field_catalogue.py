@@ -30,6 +30,7 @@ VALIDATOR_TENSORS = {
     "response_mask": ("int64", "T", "mask"),
     "rollout_log_probs": ("float32", "T", "log_prob"),
     "ref_log_prob": ("float32", "T", "log_prob"),
+    "teacher_log_prob": ("float32", "T", "log_prob"),
     "token_level_scores": ("float32", "T", "score"),
     "rm_scores": ("float32", "T", "score"),
     "weight_version": ("int64", None, "version"),
@@ -69,16 +70,19 @@ def test_the_groups_are_the_catalogues() -> None:
     for name in (*EPISODE_FIELDS, *AGENT_FIELDS, *STRUCTURED_FIELDS):
         assert FIELDS[name].wire in ("episode", "agent", "structured")
     # learner-side fields are never accepted from a sampler
-    for name in ("old_log_probs", "advantages", "returns", "values", "staleness", "loss_mask",
-                 "teacher_log_prob"):  # fmt: skip
+    for name in ("old_log_probs", "advantages", "returns", "values", "staleness", "loss_mask"):
         assert FIELDS[name].wire is None and name not in validation._tensors()
+    # computed by either side: the learner accepts them only when its config says so
+    for name in ("ref_log_prob", "teacher_log_prob"):
+        assert FIELDS[name].wire == "optional"
 
 
 def test_max_group_bytes_is_unchanged() -> None:
-    # the number the validator's own table gave (8 answers, P=512, T=1024)
-    assert max_group_bytes(8, 512, 1024, DEFAULT_JSON_LIMITS) == 67780800
-    assert max_group_bytes(1, 1, 1, DEFAULT_JSON_LIMITS) == 67125368
-    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000
+    # the number the validator's own table gave (8 answers, P=512, T=1024), plus a float32
+    # (B, T) teacher_log_prob (distill.teacher_on=sampler)
+    assert max_group_bytes(8, 512, 1024, DEFAULT_JSON_LIMITS) == 67780800 + 8 * 1024 * 4
+    assert max_group_bytes(1, 1, 1, DEFAULT_JSON_LIMITS) == 67125368 + 4
+    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 4 == 67126032
 
 
 def test_catalogue_entries_are_consistent() -> None:
@@ -180,7 +184,7 @@ def test_a_catalogued_tensor_is_accepted_with_its_dtype_and_refused_without(prob
         _check(_group(probe_scores=torch.full((2, 4), float("nan"))))
     assert e.value.reason == "non_finite"
     # and it counts toward the most a group can hold: 2 rows of T=4 float32 more
-    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 4
+    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126032 + 2 * 4 * 4
 
 
 def test_an_int_catalogue_entry_refuses_floats(monkeypatch) -> None:

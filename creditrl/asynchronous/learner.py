@@ -12,7 +12,8 @@ samplers as its batch source. What is async, top to bottom of a step:
 2. ``update`` (every rank): the training half, with ``old_log_probs`` the behaviour log-probs
    for on-policy rows and recomputed under the current policy for stale rows
    (``old_log_probs=learner``, corrected by rollout importance weights pi_old / pi_behaviour
-   when ``max_staleness`` > 0), reference log-probs unless the sampler sent them;
+   when ``max_staleness`` > 0), reference and teacher log-probs unless the sampler sent them
+   (``asynchronous.ref_on``, ``distill.teacher_on``: the learner then builds no teacher);
 3. ``after_update``: version += 1, publish the weights, acknowledge the groups (journaled
    first); the step's metrics add ``async/*`` and the rollout dump per-sample staleness.
 
@@ -37,7 +38,7 @@ from rich.console import Console
 
 from creditrl.asynchronous.ranks import check_replicas, scatter_groups, stop_on_every_rank
 from creditrl.asynchronous.receiver import AsyncRolloutDumper, GroupReceiver
-from creditrl.asynchronous.settings import check_async_config, weight_root
+from creditrl.asynchronous.settings import check_async_config, teacher_on_sampler, weight_root
 from creditrl.asynchronous.staleness import (
     BufferedGroup,
     StalenessProgress,
@@ -101,7 +102,7 @@ class Learner(GroupReceiver, TrainingLoop):
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(model_path)
         # the training half of the step pipeline, over the same hybrid worker as `creditrl train`
-        self.workers = LocalWorkerGroup(cfg)
+        self.workers = LocalWorkerGroup(cfg, with_teacher=not teacher_on_sampler(cfg))
         self.actor = self.workers.worker.actor
         # token ids a group may hold: those the embedding accepts (>= len(tokenizer) when the
         # model pads its vocabulary, and sampling can pick the padded rows)

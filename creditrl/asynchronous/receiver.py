@@ -35,6 +35,7 @@ from creditrl.asynchronous.settings import (
     max_buffered_bytes,
     max_message_bytes,
     needs_reference,
+    teacher_on_sampler,
 )
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer
 from creditrl.asynchronous.transport import LearnerSocket
@@ -76,6 +77,7 @@ class GroupReceiver:
         """The checks groups must pass, the buffer, the ledger, the journal and the counters."""
         a = cfg.asynchronous
         optional = {"ref_log_prob": needs_reference(cfg) and a.ref_on == "sampler",
+                    "teacher_log_prob": teacher_on_sampler(cfg),
                     "rm_scores": cfg.reward.reward_model.enable,
                     **dict.fromkeys(AGENT_FIELDS, strategy_traits(cfg).multi_turn),
                     **dict.fromkeys(STRUCTURED_FIELDS, structured_reward(cfg))}  # fmt: skip

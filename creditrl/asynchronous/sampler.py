@@ -13,8 +13,10 @@ One batch of the loop, top to bottom (``Sampler.run``):
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
 4. ``produce``: draw prompts, the generation half of the step pipeline (any registered engine,
    or the agent loop over it; the greedy baseline when the estimator requires one; the
-   reward manager ``creditrl train`` uses), reference log-probs (``ref_on=sampler``), split
-   into groups stamped with episode ids and the weight version that sampled them;
+   reward manager ``creditrl train`` uses), reference log-probs (``ref_on=sampler``), the
+   distillation teacher's (``distill.teacher_on=sampler``: its prompt, then the sampled ids,
+   as the learner's stage computes them), split into groups stamped with episode ids and the
+   weight version that sampled them;
 5. save each group to the outbox, save the data position, send the groups (a group larger
    than the learner accepts, ``settings.max_message_bytes``, is dropped here, logged and
    counted, instead of being dropped unseen by the learner's socket).
@@ -47,6 +49,7 @@ from creditrl.asynchronous.settings import (
     needs_reference,
     sampler_id_of,
     state_root,
+    teacher_on_sampler,
     weight_root,
 )
 from creditrl.asynchronous.transport import SamplerSocket
@@ -114,7 +117,10 @@ class Sampler:
         # the behaviour policy: the rollout role of the hybrid worker `creditrl train` uses (any
         # registered engine, the selected rollout strategy over it, the reference when it is here)
         with_ref = needs_reference(cfg) and a.ref_on == "sampler"
-        self.worker = HybridWorker(cfg, roles=("rollout",), with_ref=with_ref)
+        self.with_teacher = teacher_on_sampler(cfg)
+        self.worker = HybridWorker(
+            cfg, roles=("rollout",), with_ref=with_ref, with_teacher=self.with_teacher
+        )
         torch.manual_seed(cfg.trainer.seed + 1 + index)
         self.tokenizer = self.worker.tokenizer
         self.train_data, _ = build_run_datasets(cfg, self.tokenizer)
@@ -160,6 +166,10 @@ class Sampler:
                 batch = batch.union(
                     self.worker.compute_ref_log_prob(batch, sampled_temperature(batch, self.cfg))
                 )
+        if self.with_teacher:
+            with Timer("teacher", timing):
+                batch, rejected = self.pipeline.teacher_log_probs(batch)
+            metrics["distill/rejected_teacher_prompts"] = float(rejected)
         del batch["sample_seed"]  # the learner never samples
         groups = [
             group_of(

@@ -17,6 +17,7 @@ __all__ = [
     "needs_reference",
     "sampler_id_of",
     "state_root",
+    "teacher_on_sampler",
     "weight_root",
 ]
 
@@ -47,6 +48,12 @@ def state_root(cfg: Config) -> Path:
 def needs_reference(cfg: Config) -> bool:
     """True when the loss or the reward uses the reference policy's log-probs."""
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def teacher_on_sampler(cfg: Config) -> bool:
+    """True when samplers compute the distillation teacher's log-probs and send them
+    (``distill.teacher`` set, ``distill.teacher_on=sampler``); the learner then has no teacher."""
+    return cfg.distill.teacher is not None and cfg.distill.teacher_on == "sampler"
 
 
 def max_message_bytes(cfg: Config) -> int:

@@ -83,8 +83,9 @@ def _group(wire: str, tensor: bool = True) -> tuple[str, ...]:
     return tuple(n for n, s in fields.FIELDS.items() if s.wire == wire and s.is_tensor == tensor)
 
 
-# Tensors every group holds; ref_log_prob (ref_on=sampler) and rm_scores (a reward model)
-# are added by some runs (``GroupLimits.optional``).
+# Tensors every group holds; ref_log_prob (ref_on=sampler), teacher_log_prob
+# (distill.teacher_on=sampler) and rm_scores (a reward model) are added by some runs
+# (``GroupLimits.optional``).
 EPISODE_FIELDS = _group("episode")
 # tensors an agent run's groups carry (GroupLimits.optional)
 AGENT_FIELDS = _group("agent")

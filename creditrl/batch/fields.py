@@ -160,7 +160,8 @@ _SPECS = [
         "teacher_log_prob", "(B, T)", "float32",
         "log π_T(y_{j+1} | s^T_{j+1}) at column j: the distillation teacher on its own prompt "
         "followed by the student's response ids y_1..y_j, from logits[:, -T-1:-1]",
-        "teacher.compute_log_prob (learner)",
+        "teacher.compute_log_prob (the learner; the sampler with distill.teacher_on=sampler)",
+        wire="optional", kind="log_prob",
     ),
     FieldSpec(
         "teacher_prompt_ids", "(B,)", "object[list[int]]",

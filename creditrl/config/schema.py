@@ -604,6 +604,8 @@ class DistillConfig:
     """Weight of the distillation term in the token-level rewards."""
     combine: str = field(default="add", metadata=meta(choices=("add", "replace")))
     """'add' the term to the task reward, or 'replace' the task reward (scores still logged)."""
+    teacher_on: str = field(default="learner", metadata=meta(choices=("learner", "sampler")))
+    """Async: who computes teacher_log_prob, 'learner' or 'sampler' (like asynchronous.ref_on)."""
 
 
 @dataclass

@@ -84,12 +84,13 @@ class WorkerGroup:
 
 
 class LocalWorkerGroup(WorkerGroup):
-    """One rank in this process: calls go straight to a ``HybridWorker``."""
+    """One rank in this process: calls go straight to a ``HybridWorker`` (built with
+    ``worker_kwargs``)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, **worker_kwargs: Any) -> None:
         from creditrl.workers.hybrid import HybridWorker
 
-        self.worker = HybridWorker(cfg)
+        self.worker = HybridWorker(cfg, **worker_kwargs)
         self.world_size = 1
 
     def call(self, method: str, batch: Batch | None = None, **kwargs: Any) -> Any:

@@ -239,7 +239,8 @@ class StepPipeline:
         """``teacher_log_prob`` of the sampled tokens under the distillation teacher, on its
         prompt followed by the student's response ids (``stages.teacher_inputs``), and how
         many rows' ``teacher_prompt_ids`` were refused (logged; their teacher log-probs are
-        the old ones, so they carry no distillation term)."""
+        the old ones, so they carry no distillation term; on an async sampler, which has no
+        old ones, the behaviour policy's)."""
         rows, rejected = stages.teacher_inputs(
             batch,
             self.tokenizer.pad_token_id,
@@ -257,7 +258,8 @@ class StepPipeline:
                 self.cfg.data.max_prompt_length,
                 len(self.tokenizer),
             )
-            batch["teacher_log_prob"][rejected] = batch["old_log_probs"][rejected]
+            own = "old_log_probs" if "old_log_probs" in batch else "rollout_log_probs"
+            batch["teacher_log_prob"][rejected] = batch[own][rejected]
         return batch, count
 
     def advantages(self, batch: Batch) -> dict[str, float]:

@@ -105,6 +105,9 @@ class HybridWorker:
     adapters when ``model.lora_rank > 0`` and ``asynchronous.lora_sync=adapter``; its engine
     and the selected rollout strategy over it) and ``"ref"`` (the frozen reference, also asked
     for by ``with_ref=True``). ``"rollout"`` excludes ``"actor"``, which has its own engine.
+    ``with_teacher``: build the distillation teacher when ``distill.teacher`` is set (None:
+    with the ``"actor"`` role; an async sampler with ``distill.teacher_on=sampler`` asks for it,
+    its learner goes without).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class HybridWorker:
         *,
         roles: tuple[str, ...] = ("actor", "critic"),
         with_ref: bool = False,
+        with_teacher: bool | None = None,
     ) -> None:
         unknown = sorted(set(roles) - set(ROLES))
         if unknown:
@@ -141,7 +145,9 @@ class HybridWorker:
         if ("ref" in roles or with_ref) and self.ref is None:
             self.ref = self._frozen(load_reference(self.model_path, cfg.model.dtype))
         self.teacher: ActorWorker | None = None
-        if "actor" in roles and self.plan.needs_teacher:
+        if with_teacher is None:
+            with_teacher = "actor" in roles
+        if with_teacher and self.plan.needs_teacher:
             self._build_teacher()
         if "critic" in roles and self.plan.needs_critic:
             self._build_critic()
@@ -214,7 +220,7 @@ class HybridWorker:
         adapters off (``compute_teacher_log_prob``); else ``creditrl.pipeline.teacher``."""
         from creditrl.pipeline.teacher import load_teacher
 
-        shares = self.ref is not None or self.cfg.model.lora_rank > 0
+        shares = self.ref is not None or (self.actor is not None and self.cfg.model.lora_rank > 0)
         if self.cfg.distill.teacher == "self" and shares:
             self.teacher = self.ref
             return
