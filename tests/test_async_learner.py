@@ -4,6 +4,7 @@ GSPO and GRPO loss values against hand computation, and the LoRA weight round tr
 import copy
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from creditrl.asynchronous.settings import check_async_config
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, concat_groups
 from creditrl.asynchronous.weights import WeightPublisher, WeightSubscriber, merged_state_dict
 from creditrl.batch import Batch
+from creditrl.cli import main
 from creditrl.models import apply_lora, load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
+from creditrl.trainers.run_lock import RunLock
 from creditrl.workers import policy_forward
 
 
@@ -291,3 +294,45 @@ def test_a_tampered_weight_pointer_is_refused_and_nothing_outside_is_loaded(tmp_
         (root / "latest").write_text(text)
         with pytest.raises(ValueError, match=message):
             WeightSubscriber(root).maybe_load(model, 0)
+
+
+class _StandInLearner:
+    """Builds nothing and trains nothing (the command's start-up lines are what is tested)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def fit(self) -> None:
+        pass
+
+
+def test_the_async_default_aggregation_is_one_start_up_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`creditrl async` and `creditrl learner` train with actor.loss_agg_mode=
+    seq-mean-token-mean when nothing the user gave set it (the async default, spec 003), where
+    `creditrl train` uses token-mean: each says so in one note line naming both and the key
+    (before: nothing said so); a preset, file or override that sets it gets no line."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {tiny_model_dir()}\ntrainer:\n  output_dir: {tmp_path}\n")
+    note = (
+        "note: actor.loss_agg_mode=seq-mean-token-mean: the async default (spec 003), which no "
+        "preset, file or override set; creditrl train uses actor.loss_agg_mode=token-mean; set "
+        "actor.loss_agg_mode to choose"
+    )
+    monkeypatch.setattr("creditrl.asynchronous.learner.Learner", _StandInLearner)
+
+    def notes(*args: str) -> list[str]:
+        capsys.readouterr()
+        main(list(args))
+        captured = capsys.readouterr()
+        text = " ".join((captured.out + captured.err).split())  # rich wraps long lines
+        lines = re.split(r" (?=(?:note|warning|error): )", text)
+        return [line for line in lines if line.startswith("note: actor")]
+
+    assert notes("learner", str(config)) == [note]
+    assert notes("learner", str(config), "actor.loss_agg_mode=seq-mean-token-mean") == []
+    assert notes("learner", str(config), "preset=gspo") == []
+    with RunLock.acquire(tmp_path):  # creditrl async then stops after its start-up lines
+        assert notes("async", str(config)) == [note]
+        assert notes("async", str(config), "actor.loss_agg_mode=token-mean") == []

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
-from creditrl.config.loader import load_config_with_sources
+from creditrl.config.loader import async_default_notes, load_config_with_sources
 from creditrl.plain_text import as_markup, as_text
 from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
 from creditrl.workers.placement import check_device
@@ -46,17 +46,20 @@ __all__ = [
 
 
 def load_from_args(
-    items: list[str], warnings: list[str] | None = None
+    items: list[str], warnings: list[str] | None = None, notes: list[str] | None = None
 ) -> tuple[Config, Path | None, list[str]]:
     """``[CONFIG.yaml] [key=value ...]`` -> (config, config file, overrides), loaded with the
     async defaults (``mode="async"``: spec 003's ``seq-mean-token-mean`` aggregation unless
     the preset, file or overrides say otherwise); the config's warnings are appended to
-    ``warnings`` when given."""
+    ``warnings`` and the lines naming settings the async defaults decided
+    (``async_default_notes``) to ``notes``, when given."""
     config_file = Path(items[0]) if items and "=" not in items[0] else None
     overrides = items[1:] if config_file is not None else list(items)
     loaded = load_config_with_sources(config_file, overrides, mode="async")
     if warnings is not None:
         warnings.extend(loaded.warnings)
+    if notes is not None:
+        notes.extend(async_default_notes(loaded))
     return loaded.config, config_file, overrides
 
 

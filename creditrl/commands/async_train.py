@@ -24,10 +24,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.preflight import preflight
 
     warnings: list[str] = []
+    notes: list[str] = []  # settings the async defaults decided, then preflight's
     try:
-        cfg, config_file, overrides = load_from_args(args.args, warnings)
+        cfg, config_file, overrides = load_from_args(args.args, warnings, notes)
         check_async_config(cfg)
-        notes = preflight(cfg)  # user code, data files and scorers, before any process starts
+        notes += preflight(cfg)  # user code, data files and scorers, before any process starts
     except (UserError, ValueError) as err:
         console.print("[red]error:[/red]", as_text(err), soft_wrap=True)
         return 2

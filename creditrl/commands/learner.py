@@ -21,8 +21,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.trainers.run_lock import RunLock
     from creditrl.workers.placement import placement_for
 
+    notes: list[str] = []
     try:
-        cfg, _, _ = load_from_args(args.args)
+        cfg, _, _ = load_from_args(args.args, notes=notes)
         world = cfg.asynchronous.learners
         if not 0 <= args.rank < world:
             console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except UserError as err:
         console.print("[red]error:[/red]", as_text(err))
         return 2
+    for line in notes if args.rank == 0 else ():
+        console.print("[yellow]note:[/yellow]", as_text(line))
     try:
         if world > 1:
             init_process_group(

@@ -29,6 +29,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from creditrl.config.fields import value_at
 from creditrl.config.limits import MAX_CONFIG_BYTES, check_override, check_yaml, shorten
 from creditrl.config.schema import Config
 from creditrl.config.trl_names import trl_hint
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigError",
     "LoadedConfig",
     "all_keys",
+    "async_default_notes",
     "load_config",
     "load_config_with_sources",
     "to_dict",
@@ -325,6 +327,24 @@ def load_config(
     """Defaults <- preset <- YAML file <- overrides; a checked, typed Config (see
     ``load_config_with_sources``)."""
     return load_config_with_sources(config_file, overrides, preset, mode).config
+
+
+def async_default_notes(loaded: LoadedConfig) -> list[str]:
+    """One line per ``ASYNC_DEFAULTS`` setting that no preset, file or override set, so the
+    async default decided it and ``creditrl train`` would use another value: what each uses and
+    how to choose (``creditrl async`` and ``creditrl learner`` print it at start-up)."""
+    notes = []
+    for section, values in ASYNC_DEFAULTS.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            sync = value_at(Config(), key)
+            chosen = value_at(loaded.config, key)
+            if key not in loaded.explicit and chosen == value and sync != value:
+                notes.append(
+                    f"{key}={value}: the async default (spec 003), which no preset, file or "
+                    f"override set; creditrl train uses {key}={sync}; set {key} to choose"
+                )
+    return notes
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
