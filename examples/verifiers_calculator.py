@@ -3,11 +3,11 @@
     creditrl train examples/verifiers_calculator.yaml
 
 ``load_environment`` builds everything locally: the calculator preset's questions (chain_sum
-arithmetic asked as "What is 48 + 27 - 19?", the calculator described in the system prompt
-with one worked call) as a ``datasets.Dataset``, a ``vf.ToolEnv`` whose ``calculator`` tool
+arithmetic asked as "What is 48 + 27 - 19?", the calculator described in the system prompt,
+``few_shot`` worked calls before the question: with one, the untrained model mostly calls tools
+that do not exist) as a ``datasets.Dataset``, a ``vf.ToolEnv`` whose ``calculator`` tool
 evaluates + - * / from the parsed syntax tree (never eval), and a rubric: 1 for the right
-answer inside ``<answer></answer>`` plus 0.2 for calling the calculator (the untrained model
-mostly calls tools that do not exist, so the answer alone rarely differs within a group).
+answer inside ``<answer></answer>`` plus 0.2 for calling the calculator.
 ToolEnv adds its tool-call counts as metrics (``reward/vf_calculator_calls_mean``).
 """
 
@@ -98,14 +98,14 @@ def calls_calculator(completion: Any, **_: Any) -> float:
 
 
 def load_environment(
-    train_size: int = 2000, val_size: int = 32, seed: int = 0, max_turns: int = 3
+    train_size: int = 2000, val_size: int = 32, seed: int = 0, max_turns: int = 3, few_shot: int = 2
 ) -> vf.Environment:
     """The calculator environment (the calculator preset's questions and prompt)."""
     system = tool_system_prompt(
         build_registry(["calculator"]), "Use the calculator for the arithmetic."
     )
-    task = {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3, "few_shot": 1}
-    train, val = calc_rows(task, train_size, val_size, seed, system)
+    task = {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3}
+    train, val = calc_rows({**task, "few_shot": few_shot}, train_size, val_size, seed, system)
 
     def dataset(rows: list) -> Dataset:
         return Dataset.from_list(
