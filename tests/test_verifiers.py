@@ -306,6 +306,7 @@ def test_a_two_turn_environment_records_its_message_as_an_observation(tok) -> No
         ("no_prompts", UserCodeError, "no_prompts raised KeyError: 'question'"),
         ("empty_prompt", DataError, "env.verifiers train row 1 has an empty prompt"),
         ("missing", UserCodeError, "has no function 'missing'"),
+        ("group_rubric", UserCodeError, "group_rubric's rubric has group reward functions"),
     ],
 )  # fmt: skip
 def test_an_environment_that_cannot_load_is_one_line(

@@ -91,3 +91,11 @@ def empty_prompt() -> vf.Environment:
 
 def not_an_environment() -> dict:
     return {"dataset": QUESTIONS}
+
+
+def ranked(completions) -> list[float]:
+    return [float(i) for i in range(len(completions))]
+
+
+def group_rubric() -> vf.Environment:
+    return vf.SingleTurnEnv(dataset=_dataset(), rubric=vf.Rubric(funcs=[ranked]))
