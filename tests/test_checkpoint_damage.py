@@ -384,10 +384,10 @@ def test_learner_resume_skips_a_damaged_checkpoint_and_reruns_start_clean(
     out = tmp_path / "learner"
     learner = Learner(tiny_learner_config(out))
     learner.tracker.log({"x": 1.0}, step=1)
-    learner.tracker.close()
+    learner.close()  # frees the folder (the learner locks it)
     rerun = Learner(tiny_learner_config(out))
     assert rerun.maybe_resume() is False
-    rerun.tracker.close()
+    rerun.close()
     assert (out / "metrics.jsonl").read_text() == ""
     for step in (1, 2):
         rerun.step = step
@@ -395,7 +395,7 @@ def test_learner_resume_skips_a_damaged_checkpoint_and_reruns_start_clean(
     (out / "checkpoints" / "step_000002" / "actor.model.safetensors").unlink()
     resumed = Learner(tiny_learner_config(out))
     assert resumed.maybe_resume() is True and resumed.step == 1
-    resumed.tracker.close()
+    resumed.close()
     assert warnings(caplog) == [
         "checkpoint step_000002 is damaged (actor.model.safetensors: missing); resuming from "
         "step_000001"

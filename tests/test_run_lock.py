@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics, tiny_trainer_config
+from helpers import read_metrics, tiny_learner_config, tiny_trainer_config
 
 from creditrl import cli
+from creditrl.asynchronous.learner import Learner
 from creditrl.config.loader import save_resolved_config
 from creditrl.errors import ConfigError
 from creditrl.trainers.rl_trainer import RLTrainer
@@ -103,6 +104,35 @@ def test_a_refused_trainer_frees_the_folder(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="already holds a run"):
         RLTrainer(tiny_trainer_config(tmp_path, "trainer.resume=never"))
     RunLock.acquire(tmp_path).release()
+
+
+def test_the_async_learner_holds_its_folder_as_train_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The async learner (rank 0, as built by creditrl learner, the Ray launcher or the Python
+    API) locks trainer.output_dir for its run, as creditrl train does: a learner into a folder
+    that a train run or another learner holds is refused in one line naming the holder, as is a
+    train run into a learner's folder; closing the learner frees it. Before, the Learner took no
+    lock, so a second learner or a train run wrote the same metrics and checkpoints."""
+    out = tmp_path / "run"
+    refused = pytest.raises(RunInUseError, match=f"trainer.output_dir={out} is in use by another")
+    with RunLock.acquire(out), refused:  # as a running creditrl train holds it
+        Learner(tiny_learner_config(out))
+    assert not (out / "metrics.jsonl").exists()
+    learner = Learner(tiny_learner_config(out))
+    try:
+        with pytest.raises(RunInUseError, match="is in use by another run"):
+            Learner(tiny_learner_config(out))
+        with pytest.raises(RunInUseError, match="is in use by another run"):
+            RLTrainer(tiny_trainer_config(out))
+        config = tmp_path / "run.yaml"
+        save_resolved_config(tiny_learner_config(out), config)
+        code, lines = cli_lines(capsys, "learner", str(config))
+        assert code == 2
+        assert len(lines) == 1 and lines[0].startswith(f"error: trainer.output_dir={out} is in use")
+    finally:
+        learner.close()
+    RunLock.acquire(out).release()
 
 
 def test_the_launcher_hands_its_lock_to_learner_rank_0(tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ from creditrl.plain_text import as_text
 from creditrl.tracking import Timer, Tracker
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.loop import TrainingLoop
+from creditrl.trainers.run_lock import RunLock
 from creditrl.trainers.schedule import Schedule
 from creditrl.workers.hybrid import ADDITIVE_METRICS
 
@@ -85,12 +86,24 @@ class Learner(GroupReceiver, TrainingLoop):
         self.cfg, self.rank, self.world, self.port = cfg, rank, world, port
         self.main = rank == 0
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
-        a = cfg.asynchronous
+        self.out = Path(cfg.trainer.output_dir)
+        # rank 0 owns the output folder, held until close(): one run at a time, as for
+        # `creditrl train` (`creditrl async` hands its held lock to this process)
+        self.run_lock = RunLock.acquire(self.out) if self.main else None
+        try:
+            self._build()
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise
+
+    def _build(self) -> None:
+        """Threads, seed, the workers, the training half, checkpoints, receiving, outputs."""
+        cfg, a = self.cfg, self.cfg.asynchronous
         threads = a.learner_threads or cfg.trainer.num_threads
         if threads > 0:
             torch.set_num_threads(threads)
         torch.manual_seed(cfg.trainer.seed)
-        self.out = Path(cfg.trainer.output_dir)
         self.n = cfg.rollout.n
         self.schedule = Schedule.from_config(cfg.trainer)  # creditrl train's validations, saves
         # on-policy rows keep the behaviour log-probs by `creditrl train`'s rule
@@ -289,11 +302,15 @@ class Learner(GroupReceiver, TrainingLoop):
         return summary
 
     def close(self) -> None:
-        """Rank 0: finish publishing, stop the samplers, close the metrics and the reward."""
+        """Rank 0: finish publishing, stop the samplers, close the metrics and the reward,
+        and release the output folder."""
         if not self.main:
             return
-        self.publisher.wait()
-        self.stop_samplers()
-        self.tracker.close()
-        if self.pipeline.reward is not None:
-            self.pipeline.reward.close()
+        try:
+            self.publisher.wait()
+            self.stop_samplers()
+            self.tracker.close()
+            if self.pipeline.reward is not None:
+                self.pipeline.reward.close()
+        finally:
+            self.run_lock.release()

@@ -32,7 +32,6 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from creditrl.asynchronous.settings import sampler_id_of
@@ -94,7 +93,6 @@ class AsyncActor:
     def _learn(self, cfg: Config) -> int:
         from creditrl.asynchronous.learner import Learner
         from creditrl.controller.distributed import destroy_process_group, init_process_group
-        from creditrl.trainers.run_lock import RunLock
         from creditrl.workers.placement import placement_for
 
         a = cfg.asynchronous
@@ -107,12 +105,8 @@ class AsyncActor:
                 master_port=a.dist_port,
                 timeout_s=a.data_timeout_s + 60.0,
             )
-        try:
-            if self.index == 0:  # rank 0 owns the output folder: one run at a time
-                with RunLock.acquire(Path(cfg.trainer.output_dir)):
-                    Learner(cfg, self.index, a.learners).fit()
-            else:
-                Learner(cfg, self.index, a.learners).fit()
+        try:  # rank 0 takes the output folder's lock: one run at a time
+            Learner(cfg, self.index, a.learners).fit()
         finally:
             destroy_process_group()
         return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -18,7 +17,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.asynchronous.launcher import load_from_args
     from creditrl.asynchronous.learner import Learner
     from creditrl.controller.distributed import destroy_process_group, init_process_group
-    from creditrl.trainers.run_lock import RunLock
     from creditrl.workers.placement import placement_for
 
     notes: list[str] = []
@@ -30,8 +28,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
             return 2
         os.environ.setdefault("LOCAL_RANK", str(args.rank))  # rank r: this machine's GPU r
         backend = placement_for(cfg).backend  # CUDA asked for and not here: one line
-        # rank 0 owns the output folder: one run at a time (the launcher hands over its lock)
-        lock = RunLock.acquire(Path(cfg.trainer.output_dir)) if args.rank == 0 else None
     except UserError as err:
         console.print("[red]error:[/red]", as_text(err))
         return 2
@@ -46,11 +42,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 master_port=cfg.asynchronous.dist_port,
                 timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
             )
+        # rank 0 takes the output folder's lock (the launcher hands over its own); a folder
+        # in use is one error line (creditrl.cli)
         Learner(cfg, args.rank, world, console=console).fit()
     finally:
         destroy_process_group()
-        if lock is not None:
-            lock.release()
     return 0
 
 
