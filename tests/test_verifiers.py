@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import tiny_engine_config
 
 from creditrl.config import load_config
@@ -355,8 +356,10 @@ def test_the_learner_takes_an_endpoint_rollouts_counts_only_as_numbers(endpoint:
     from creditrl.asynchronous.validation import MessageError, _check_non_tensors
     from creditrl.batch import Batch
 
-    good = {"requests": 8.0, "refused": 0.0, "seconds": 0.5}
-    _check_non_tensors(Batch({}, {}, {"endpoint": good}), "group")
+    def group(counts: Any) -> Batch:
+        return Batch({"input_ids": torch.zeros(1, 2, dtype=torch.long)}, {}, {"endpoint": counts})
+
+    _check_non_tensors(group({"requests": 8.0, "refused": 0.0, "seconds": 0.5}), "group")
     with pytest.raises(MessageError, match=r"meta\['endpoint'\]") as err:
-        _check_non_tensors(Batch({}, {}, {"endpoint": endpoint}), "group")
+        _check_non_tensors(group(endpoint), "group")
     assert err.value.reason == "non_tensor"
