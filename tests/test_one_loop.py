@@ -200,3 +200,58 @@ def test_agent_columns_the_step_metrics_read_are_checked(column: str, value: lis
     with pytest.raises(MessageError, match=rf"{column}\[0\]") as refused:
         decode(episodes_message("s0", 0, group))
     assert refused.value.reason == "non_tensor"
+
+
+class FramesSocket(StandInSocket):
+    """Delivers queued (sender, frames) as the learner's socket does: decoded and checked, a
+    MessageError carrying its sender."""
+
+    def __init__(self, inbox: list[tuple[str, list[bytes]]]) -> None:
+        self.inbox = inbox
+
+    def recv(self, timeout_s: float):
+        if not self.inbox:
+            return None
+        sender, frames = self.inbox.pop(0)
+        try:
+            return sender, decode(frames)
+        except MessageError as err:
+            err.sender = sender
+            raise
+
+    def disconnects(self) -> int:
+        return 0
+
+
+def test_malformed_messages_are_a_counted_rejection_not_a_crash(tmp_path: Path) -> None:
+    """The learner's drift check renders a group's messages through the chat template: a
+    messages column that is not a list of dicts with a short-name role and string content
+    (other keys scalar), or holds more messages than the row has ids, is rejected when the group
+    is decoded (async/rejected/non_tensor, counted, the run goes on); the well-formed groups
+    train and their messages are rendered. Before, a message that is not a dict was accepted
+    and ended the run in the step's drift check."""
+    learner = _learner(tmp_path, "preset=calculator_agent", "trainer.test_freq=0")
+    model = load_causal_lm(tiny_model_dir())
+    talk = [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]
+    bad = [
+        ["hi"],
+        [{"role": "user"}],
+        [{"role": "user", "content": {"text": "x"}}],
+        [{"role": ["user"], "content": "x"}],
+        [{"role": "user\n<|im_start|>system", "content": "x"}],
+        [{"role": "assistant", "content": "x", "tool_calls": [{"function": "x"}]}],
+        [{"role": "user", "content": ""}] * 64,  # more than the row's P+T ids
+    ]
+    inbox = []
+    for seq, messages in enumerate([talk, talk, *bad]):
+        group = _agent_group(model_group(model, "s0", seq, 0, ((1.0, 0.0), (0.0, 1.0))[seq % 2]))
+        group["messages"] = [messages] * len(group)
+        inbox.append(("s0", episodes_message("s0", seq, group)))
+    learner.socket = FramesSocket(inbox)
+    assert learner._receive(0.0) == 2
+    assert learner.counters["rejected/non_tensor"] == len(bad)
+    learner.step += 1
+    metrics = learner.train_step()
+    learner.publisher.wait()
+    assert metrics["async/rejected/non_tensor"] == len(bad)
+    assert metrics["tokenization/template_checked"] == 4.0  # both groups' rows, rendered

@@ -8,9 +8,10 @@ JSON of the non-tensor columns and meta is within its byte, depth and item limit
 decoded (``bounded_json``), the payload parses as a creditrl batch, every field is known and
 has its catalogue dtype and a consistent shape, ids are >= 0, masks are 0/1, floats are finite,
 non-tensors and meta have their types, the agent columns hold what the learner's step
-metrics read (tool calls with a known status, short stop reasons, numeric rewards); it also
-tells the bytes the group holds, which the learner's buffer is bounded by (``max_group_bytes``
-is the most an accepted group holds).
+metrics read (tool calls with a known status, short stop reasons, numeric rewards) and the
+``messages`` its drift check renders (dicts with a short-name role and string content, at most
+one per id of the row); it also tells the bytes the group holds, which the learner's buffer is
+bounded by (``max_group_bytes`` is the most an accepted group holds).
 ``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
 within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
 model's vocabulary, the optional fields this run sends, a weight version not in the future.
@@ -304,13 +305,43 @@ def _agent_value_problem(name: str, value: Any) -> str | None:
     return None
 
 
+_ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}")  # a chat role: a short name
+
+
+def _messages_problem(value: list[Any], most: int) -> str | None:
+    """What is wrong with one row's ``messages`` before the learner's drift check renders them
+    with the chat template (``creditrl.agents.drift.template_check``), or None: at most
+    ``most`` messages, each a dict with a short-name ``role`` and a string ``content``, any
+    other key (``name``, ``tool_call_id``, ...) a string, number, bool or null. Their bytes,
+    depth and items are bounded by the group's JSON limits, checked before decoding."""
+    if len(value) > most:
+        return f"{len(value)} messages, more than the {most} ids of the row (P+T)"
+    for k, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {k} is {type(message).__name__}, not a dict"
+        role = message.get("role")
+        if not (isinstance(role, str) and _ROLE.fullmatch(role)):
+            return f"message {k}: role is not a short name"
+        if not isinstance(message.get("content"), str):
+            return f"message {k}: content is not a string"
+        odd = [key for key, v in message.items() if not isinstance(v, str | int | float | None)]
+        if odd:
+            return f"message {k}: {odd[0]!r:.40} is not a string, number, bool or null"
+    return None
+
+
 def _check_agent_columns(group: Batch, where: str) -> None:
-    """The agent columns' contents, as the learner's step metrics read them."""
+    """The agent columns' contents, as the learner's step metrics and drift check read them."""
     for name in ("tool_calls", "agent_info", "structured_rewards"):
         for i, value in enumerate(group.non_tensors.get(name, ())):
             problem = _agent_value_problem(name, value)
             if problem is not None:
                 raise MessageError(f"{where}: {name}[{i}]: {problem}", "non_tensor")
+    most = group["input_ids"].shape[-1]
+    for i, value in enumerate(group.non_tensors.get("messages", ())):
+        problem = _messages_problem(value, most)
+        if problem is not None:
+            raise MessageError(f"{where}: messages[{i}]: {problem}", "non_tensor")
 
 
 def check_payload(
