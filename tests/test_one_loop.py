@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import model_group, tiny_learner_config, tiny_trainer_config
 
+from creditrl.agents.hooks import chat_format
 from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import MessageError, decode, episodes_message
 from creditrl.batch import Batch
@@ -255,3 +256,33 @@ def test_malformed_messages_are_a_counted_rejection_not_a_crash(tmp_path: Path) 
     learner.publisher.wait()
     assert metrics["async/rejected/non_tensor"] == len(bad)
     assert metrics["tokenization/template_checked"] == 4.0  # both groups' rows, rendered
+
+
+def test_messages_the_chat_template_refuses_are_a_counted_rejection(tmp_path: Path) -> None:
+    """Well-formed messages that the model's chat template itself refuses (its
+    raise_exception, here on a conversation that opens with the assistant) are rejected when
+    the group arrives (async/rejected/non_tensor) instead of raising in the step's drift
+    check; the other groups train and are rendered."""
+    learner = _learner(tmp_path, "preset=calculator_agent", "trainer.test_freq=0")
+    strict = copy.deepcopy(learner.tokenizer)
+    strict.chat_template = (
+        "{% if messages[0]['role'] == 'assistant' %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        + learner.tokenizer.chat_template
+    )
+    learner.training.tokenizer = strict  # what the step's drift check renders with
+    learner.chat = chat_format(strict)
+    model = load_causal_lm(tiny_model_dir())
+    talk = [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]
+    inbox = []
+    for seq, messages in enumerate([talk, talk[1:], talk]):
+        group = _agent_group(model_group(model, "s0", seq, 0, ((1.0, 0.0), (0.0, 1.0))[seq % 2]))
+        group["messages"] = [messages] * len(group)
+        inbox.append(("s0", episodes_message("s0", seq, group)))
+    learner.socket = FramesSocket(inbox)
+    assert learner._receive(0.0) == 2
+    assert learner.counters["rejected/non_tensor"] == 1
+    learner.step += 1
+    metrics = learner.train_step()
+    learner.publisher.wait()
+    assert metrics["tokenization/template_checked"] == 4.0

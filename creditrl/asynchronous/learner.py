@@ -129,7 +129,7 @@ class Learner(GroupReceiver, TrainingLoop):
             cfg, self.pipeline, self.tokenizer, self.console if self.main else None
         )
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
-        self.init_receiving(cfg, self.vocab_size, self.out)
+        self.init_receiving(cfg, self.vocab_size, self.out, self.tokenizer)
         self.step = 0
         self.version = 0
         self.val_before, self.val_latest = {}, {}

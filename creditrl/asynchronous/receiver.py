@@ -73,9 +73,18 @@ class GroupReceiver:
     step: int
     version: int
 
-    def init_receiving(self, cfg: Config, vocab_size: int, out: Any) -> None:
-        """The checks groups must pass, the buffer, the ledger, the journal and the counters."""
+    def init_receiving(
+        self, cfg: Config, vocab_size: int, out: Any, tokenizer: Any | None = None
+    ) -> None:
+        """The checks groups must pass, the buffer, the ledger, the journal and the counters;
+        with ``tokenizer``, in a run whose step renders messages for its drift check, the
+        check that the chat template renders each row's messages (``_check_rendering``)."""
         a = cfg.asynchronous
+        self.chat = None
+        if tokenizer is not None and strategy_traits(cfg).multi_turn and cfg.agent.drift_check_rows:
+            from creditrl.agents.hooks import chat_format
+
+            self.chat = chat_format(tokenizer, cfg.agent.tool_role)
         optional = {"ref_log_prob": needs_reference(cfg) and a.ref_on == "sampler",
                     "teacher_log_prob": teacher_on_sampler(cfg),
                     "rm_scores": cfg.reward.reward_model.enable,
@@ -140,6 +149,7 @@ class GroupReceiver:
             version = int(message.header["weight_version"])
             group = BufferedGroup(sender, seq, version, batch, nbytes=message.nbytes)
             self.limits.check(batch, sender, seq, group.version, self.version)
+            self._check_rendering(batch, f"group {sender}:{seq}")
         except MessageError as e:
             e.seq = seq
             self._reject(sender, e)
@@ -172,6 +182,23 @@ class GroupReceiver:
         self.counters["received_groups"] += 1
         self.buffer.add(group)
         return 1
+
+    def _check_rendering(self, batch: Batch, where: str) -> None:
+        """MessageError (non_tensor) when the chat template refuses a row's messages (a
+        template's ``raise_exception``, e.g. on roles that do not alternate): the step's drift
+        check renders them (``creditrl.agents.drift``), and would end the run there. Their
+        shape is checked before (``validation``); this renders the text only."""
+        if self.chat is None or "messages" not in batch:
+            return
+        for i, messages in enumerate(batch["messages"]):
+            try:
+                self.chat.render(messages, add_generation_prompt=False)
+            except Exception as e:  # whatever the template raises: the row is refused
+                raise MessageError(
+                    f"{where}: messages[{i}]: the chat template refuses them: "
+                    f"{type(e).__name__}: {e!s:.120}",
+                    "non_tensor",
+                ) from None
 
     def _reject(self, sender: str, err: MessageError, strike: bool = True) -> None:
         """Count, log and acknowledge a rejected message; disconnect a sender rejected
