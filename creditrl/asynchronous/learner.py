@@ -62,7 +62,6 @@ from creditrl.plain_text import as_text
 from creditrl.tracking import Timer, Tracker
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.loop import TrainingLoop
-from creditrl.trainers.run_lock import RunLock
 from creditrl.trainers.schedule import Schedule
 from creditrl.workers.hybrid import ADDITIVE_METRICS
 
@@ -87,15 +86,8 @@ class Learner(GroupReceiver, TrainingLoop):
         self.main = rank == 0
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
         self.out = Path(cfg.trainer.output_dir)
-        # rank 0 owns the output folder, held until close(): one run at a time, as for
-        # `creditrl train` (`creditrl async` hands its held lock to this process)
-        self.run_lock = RunLock.acquire(self.out) if self.main else None
-        try:
-            self._build()
-        except BaseException:
-            if self.run_lock is not None:
-                self.run_lock.release()
-            raise
+        # rank 0 holds the output folder (`creditrl async` hands its held lock to this process)
+        self.build_holding_folder(self.main)
 
     def _build(self) -> None:
         """Threads, seed, the workers, the training half, checkpoints, receiving, outputs."""
@@ -240,18 +232,13 @@ class Learner(GroupReceiver, TrainingLoop):
         metrics = staleness_metrics(whole["staleness"])
         metrics.update(self.training.scored_elsewhere_metrics(whole))
         metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})
-        metrics.update(
-            {
-                "async/weight_version": float(self.version),
-                "async/buffered_groups": float(len(self.buffer)),
-                "async/buffered_bytes": float(self.buffer.nbytes),
-                "async/samplers": float(len(self.samplers)),
-            }
-        )
+        metrics.update({"async/weight_version": float(self.version),
+                        "async/buffered_groups": float(len(self.buffer)),
+                        "async/buffered_bytes": float(self.buffer.nbytes),
+                        "async/samplers": float(len(self.samplers))})  # fmt: skip
         if self.resume_report and self.step == self.resume_report["step"] + 1:
-            metrics["async/dropped_on_resume_episodes"] = float(
-                self.resume_report["dropped_episodes"]
-            )
+            dropped = float(self.resume_report["dropped_episodes"])
+            metrics["async/dropped_on_resume_episodes"] = dropped
         self.staleness.append(metrics["async/staleness/mean"])
         return metrics
 
@@ -289,14 +276,10 @@ class Learner(GroupReceiver, TrainingLoop):
     def summary(self, seconds: float) -> dict[str, Any]:
         """Steps, version, seconds, mean staleness, the counters and the resume report."""
         mean_staleness = sum(self.staleness) / len(self.staleness) if self.staleness else math.nan
-        summary = {
-            "steps": self.step,
-            "version": self.version,
-            "seconds": seconds,
-            "mean_staleness": mean_staleness,
-            **{k: int(v) for k, v in self.counters.items()},
-            **{f"resume_{k}": v for k, v in self.resume_report.items()},
-        }
+        summary = {"steps": self.step, "version": self.version, "seconds": seconds,
+                   "mean_staleness": mean_staleness,
+                   **{k: int(v) for k, v in self.counters.items()},
+                   **{f"resume_{k}": v for k, v in self.resume_report.items()}}  # fmt: skip
         if self.main:
             self.console.print(as_text(f"learner: done {json.dumps(summary)}"))
         return summary
@@ -313,4 +296,4 @@ class Learner(GroupReceiver, TrainingLoop):
             if self.pipeline.reward is not None:
                 self.pipeline.reward.close()
         finally:
-            self.run_lock.release()
+            self.release_folder()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from creditrl.batch import Batch
+from creditrl.trainers.run_lock import RunLock
 
 __all__ = ["TrainingLoop", "saved_metrics"]
 
@@ -46,6 +47,22 @@ class TrainingLoop:
     val_before: dict[str, float]
     val_latest: dict[str, float]  # the newest validation, kept by checkpoints
     scores: list[float]  # critic/score/mean of each step of this fit
+
+    def build_holding_folder(self, hold: bool) -> None:
+        """Take ``trainer.output_dir``'s run lock when ``hold`` (the main process: one run per
+        folder, held until ``release_folder``), then ``_build()``; the lock is released if
+        building fails."""
+        self.run_lock = RunLock.acquire(self.out) if hold else None
+        try:
+            self._build()
+        except BaseException:
+            self.release_folder()
+            raise
+
+    def release_folder(self) -> None:
+        """Release the run lock taken by ``build_holding_folder`` (if any)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     # ---- what a loop says --------------------------------------------------------------------
 

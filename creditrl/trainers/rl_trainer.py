@@ -38,7 +38,6 @@ from creditrl.tracking import (
 from creditrl.trainers.checkpoint import CheckpointManager, prepare_output_dir
 from creditrl.trainers.loop import TrainingLoop
 from creditrl.trainers.prompts import batch_seed, prompt_batch
-from creditrl.trainers.run_lock import RunLock
 from creditrl.trainers.schedule import Schedule
 from creditrl.workers.placement import check_device, describe, device_type
 from creditrl.workers.precision import autocast_choice
@@ -80,12 +79,7 @@ class RLTrainer(TrainingLoop):
         self.console = console or Console(highlight=False, emoji=False)
         self.out = Path(cfg.trainer.output_dir)
         check_device(cfg)  # CUDA asked for and not here: one line, before anything waits
-        self.run_lock = RunLock.acquire(self.out)  # held until close(): one run per folder
-        try:
-            self._build()
-        except BaseException:
-            self.run_lock.release()
-            raise
+        self.build_holding_folder(True)
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -259,4 +253,4 @@ class RLTrainer(TrainingLoop):
             self.tracker.close()
             self.reward.close()
         finally:
-            self.run_lock.release()
+            self.release_folder()
