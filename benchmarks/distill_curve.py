@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from creditrl.report.metrics_log import read_metrics
+
 RESULTS = Path(__file__).parent / "results"
 COMMON = [
     "preset=distill_context",
@@ -52,22 +54,11 @@ ARMS = {
 }
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return rows
-
-
 def curve(out: Path, start: float, seconds: float) -> list[dict]:
     """The validations of a run logged within ``seconds`` of ``start``."""
     points = []
-    for row in read_jsonl(out / "metrics.jsonl"):
+    path = out / "metrics.jsonl"
+    for row in read_metrics(path).records if path.is_file() else []:
         wall = row.get("time", 0.0) - start
         if "val/score" in row and wall <= seconds:
             points.append(

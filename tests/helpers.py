@@ -315,3 +315,25 @@ def chat_prompts(tokenizer, questions: tuple[str, ...], n: int = 2) -> Batch:
     batch = Batch({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": chats,
                   "data_source": ["toy"] * len(questions), "ground_truth": truths})  # fmt: skip
     return batch.repeat(n, interleave=True)
+
+
+def train_async_in_process(learner, cfg) -> None:
+    """Run ``learner.fit()`` on a thread and one sampler (index 0, on the learner's port) in
+    this thread until the learner stops it; asserts both ended cleanly."""
+    import threading
+
+    from creditrl.asynchronous.sampler import Sampler
+
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            learner.fit()
+        except BaseException as e:  # shown by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=fit)
+    thread.start()
+    code = Sampler(cfg, 0, port=learner.port).run()
+    thread.join(timeout=120)
+    assert not errors and code == 0, errors

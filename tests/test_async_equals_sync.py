@@ -6,16 +6,15 @@ train``, and log the same per-step losses and scores and end with the same weigh
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import train_async_in_process
 
 from creditrl.asynchronous.launcher import free_port, load_from_args
 from creditrl.asynchronous.learner import Learner
-from creditrl.asynchronous.sampler import Sampler
 from creditrl.config import load_config
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.rl_trainer import RLTrainer
@@ -104,20 +103,7 @@ def _async(out: Path, extra: tuple[str, ...]) -> list[dict[str, Any]]:
     port = free_port()
     learner = Learner(cfg, port=port)
     steps = _recorded(learner)
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            learner.fit()
-        except BaseException as e:  # shown by the assertion below
-            errors.append(e)
-
-    thread = threading.Thread(target=fit)
-    thread.start()
-    sampler = Sampler(cfg, 0, port=port)
-    code = sampler.run()
-    thread.join(timeout=120)
-    assert not errors and code == 0, errors
+    train_async_in_process(learner, cfg)
     return steps
 
 

@@ -4,19 +4,24 @@ config checks, and a step with it in sync, async and the agent loop."""
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_group, read_metrics, refused, tiny_learner_config, tiny_trainer_config
+from helpers import (
+    model_group,
+    read_metrics,
+    refused,
+    tiny_learner_config,
+    tiny_trainer_config,
+    train_async_in_process,
+)
 
 from creditrl.agents.scripted import ScriptedTurnGenerator
 from creditrl.asynchronous.launcher import free_port
 from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import decode, episodes_message
 from creditrl.asynchronous.receiver import GroupReceiver
-from creditrl.asynchronous.sampler import Sampler
 from creditrl.asynchronous.validation import MessageError
 from creditrl.batch import Batch
 from creditrl.config import DistillConfig, load_config
@@ -175,19 +180,7 @@ def _async_step(out: Path, *extra: str) -> Learner:
     )  # fmt: skip
     port = free_port()
     learner = Learner(cfg, port=port)
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            learner.fit()
-        except BaseException as e:  # shown by the assertion below
-            errors.append(e)
-
-    thread = threading.Thread(target=fit)
-    thread.start()
-    code = Sampler(cfg, 0, port=port).run()
-    thread.join(timeout=120)
-    assert not errors and code == 0, errors
+    train_async_in_process(learner, cfg)
     return learner
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_engine_config
+from helpers import tiny_engine_config, train_async_in_process
 
 from creditrl.config import load_config
 from creditrl.errors import ConfigError, DataError, UserCodeError
@@ -236,7 +235,6 @@ def test_the_environment_trains_async(tmp_path: Path) -> None:
     """The learner and one sampler (their loops, in this process) on the environment."""
     from creditrl.asynchronous.launcher import free_port, load_from_args
     from creditrl.asynchronous.learner import Learner
-    from creditrl.asynchronous.sampler import Sampler
 
     args = [f"model.path={tiny_model_dir()}", f"env.verifiers={ENVS}:load_environment",
             "actor.autocast=none", "data.train_batch_size=2", "rollout.n=2",
@@ -248,19 +246,7 @@ def test_the_environment_trains_async(tmp_path: Path) -> None:
     cfg, _, _ = load_from_args(args)
     port = free_port()
     learner = Learner(cfg, port=port)
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            learner.fit()
-        except BaseException as e:  # shown by the assertion below
-            errors.append(e)
-
-    thread = threading.Thread(target=fit)
-    thread.start()
-    code = Sampler(cfg, 0, port=port).run()
-    thread.join(timeout=120)
-    assert not errors and code == 0, errors
+    train_async_in_process(learner, cfg)
     steps = step_metrics(tmp_path)
     assert [s["step"] for s in steps] == [1, 2]
     # the rubric's total (says_answer + 0.5 x short) is the score the learner trains on

@@ -52,7 +52,7 @@ from creditrl.agents.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_
 from creditrl.agents.rollout import EngineRollout, agent_metrics, trajectories_to_batch
 from creditrl.agents.transcript import Transcript, message_text, render_ids
 from creditrl.batch import Batch, position_ids_from_mask
-from creditrl.config.schema import AgentConfig, RolloutConfig
+from creditrl.config.schema import AgentConfig, Config, RolloutConfig
 from creditrl.errors import UserCodeError
 from creditrl.rollout.continuation import (
     EngineTurnGenerator,
@@ -107,6 +107,22 @@ class ProgramRollout(EngineRollout):
     """Episodes of ``agent.program`` through the endpoint, as a rollout engine (see the module
     docstring). ``turn_generator`` replaces the engine adapter (tests pass a scripted one);
     ``program`` replaces ``agent.program`` (an environment's rollout, ``creditrl.environments``)."""
+
+    @classmethod
+    def for_run(
+        cls, engine: Any, tokenizer: Any, cfg: Config, program: Callable[..., Any] | None = None
+    ) -> ProgramRollout:
+        """The rollout a run's config ``cfg`` describes (its agent and rollout sections, the
+        fallback score, the prompt limit), running ``program`` or else ``agent.program``."""
+        return cls(
+            engine,
+            tokenizer,
+            cfg.agent,
+            cfg.rollout,
+            fallback_score=cfg.reward.fallback_score,
+            max_prompt_length=cfg.data.max_prompt_length,
+            program=program,
+        )
 
     def __init__(
         self,

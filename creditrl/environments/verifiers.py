@@ -279,12 +279,4 @@ def build_verifiers_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.agents.program import ProgramRollout
 
     env = load_verifiers_environment(cfg.env)
-    return ProgramRollout(
-        engine,
-        tokenizer,
-        cfg.agent,
-        cfg.rollout,
-        fallback_score=cfg.reward.fallback_score,
-        max_prompt_length=cfg.data.max_prompt_length,
-        program=VerifiersProgram(env),
-    )
+    return ProgramRollout.for_run(engine, tokenizer, cfg, program=VerifiersProgram(env))

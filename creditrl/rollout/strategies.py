@@ -86,14 +86,7 @@ def _agent_loop(engine: Any, tokenizer: Any, cfg: Config) -> Any:
 def _agent_program(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.agents.program import ProgramRollout
 
-    return ProgramRollout(
-        engine,
-        tokenizer,
-        cfg.agent,
-        cfg.rollout,
-        fallback_score=cfg.reward.fallback_score,
-        max_prompt_length=cfg.data.max_prompt_length,
-    )
+    return ProgramRollout.for_run(engine, tokenizer, cfg)
 
 
 @_register("verifiers", StrategyTraits(multi_turn=True, runs_program=True))

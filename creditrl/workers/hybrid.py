@@ -321,14 +321,7 @@ class HybridWorker:
                 "this worker has no reference model: build it with HybridWorker(cfg, "
                 "roles=('rollout', 'ref')) or with_ref=True"
             )
-        batch = self.placement.to_device(batch)
-        with self.memory.stage("ref"):
-            if self.ref is not None:
-                log_probs, _ = self.ref.compute_log_prob(batch, temperature, False)
-            else:
-                with disabled_adapters(self.actor.model):
-                    log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
-        return to_cpu(Batch.from_dict({"ref_log_prob": log_probs}))
+        return self._frozen_log_probs(self.ref, batch, temperature, "ref", "ref_log_prob")
 
     def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Batch:
         """``teacher_log_prob`` of ``batch``'s responses under the distillation teacher, on the
@@ -337,14 +330,23 @@ class HybridWorker:
         base = self.cfg.distill.teacher == "self" and self.cfg.model.lora_rank > 0
         if self.teacher is None and not base:
             raise RuntimeError("this worker has no distillation teacher (set distill.teacher)")
+        return self._frozen_log_probs(
+            self.teacher, batch, temperature, "teacher", "teacher_log_prob"
+        )
+
+    def _frozen_log_probs(
+        self, model: Any, batch: Batch, temperature: float, stage: str, field: str
+    ) -> Batch:
+        """``field``: the responses' log-probs under the frozen ``model`` (None: the actor's
+        base model, its LoRA adapters off), measured as memory stage ``stage``."""
         batch = self.placement.to_device(batch)
-        with self.memory.stage("teacher"):
-            if self.teacher is not None:
-                log_probs, _ = self.teacher.compute_log_prob(batch, temperature, False)
+        with self.memory.stage(stage):
+            if model is not None:
+                log_probs, _ = model.compute_log_prob(batch, temperature, False)
             else:
                 with disabled_adapters(self.actor.model):
                     log_probs, _ = self.actor.compute_log_prob(batch, temperature, False)
-        return to_cpu(Batch.from_dict({"teacher_log_prob": log_probs}))
+        return to_cpu(Batch.from_dict({field: log_probs}))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` V(s_t) of the critic."""
