@@ -3,17 +3,21 @@ as ``from helpers import ...``: pytest puts this directory on ``sys.path``. No t
 imports from another test file."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from creditrl.asynchronous.messages import group_of
 from creditrl.batch import Batch
 from creditrl.cli import main
 from creditrl.config import ActorConfig
 from creditrl.config.loader import load_config
+from creditrl.config.schema import RolloutConfig
 from creditrl.models.tiny import tiny_model_dir
+from creditrl.rollout import HFRolloutEngine
 from creditrl.workers import ActorWorker, policy_forward
 
 # ---- configs of tiny runs (the tiny random model, the real tokenizer) ---------------------
@@ -337,3 +341,97 @@ def train_async_in_process(learner, cfg) -> None:
     code = Sampler(cfg, 0, port=learner.port).run()
     thread.join(timeout=120)
     assert not errors and code == 0, errors
+
+
+# ---- rollout engines on token-id prompts ---------------------------------------------------
+
+PAD = EOS = 2  # prompt_batch's pad id; byte_tokenizer's <|im_end|> (its EOS and pad)
+
+
+def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:
+    """Left-padded prompt batch (pad id 2), each row repeated ``repeat`` times in a row."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows]).repeat_interleave(repeat, 0)
+    lengths = torch.tensor([len(r) for r in rows]).repeat_interleave(repeat)
+    mask = (torch.arange(width)[None] >= width - lengths[:, None]).long()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    n = len(ids)
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+        {"index": list(range(n)), "ground_truth": [str(i) for i in range(n)]},
+        {"step": 3},
+    )
+
+
+PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 905, 906, 907]]
+
+
+def tiny_hf_engine(model, tokenizer, **overrides) -> HFRolloutEngine:
+    """The HF engine on ``model`` with a 12-token budget; engine options and ``rollout.*``
+    settings as keywords."""
+    engine_options = (
+        "seed",
+        "eos_token_ids",
+        "remove_finished",
+        "fast_decode",
+        "tree_prefill",
+        "small_batch_rows",
+    )
+    options = {k: overrides.pop(k) for k in engine_options if k in overrides}
+    cfg = replace(RolloutConfig(max_response_length=12, micro_batch_size=64), **overrides)
+    return HFRolloutEngine(model, tokenizer, cfg, **options)
+
+
+# ---- a byte-level tokenizer and response batches for scoring -------------------------------
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny byte-level tokenizer (ids 0-2 special: unk, <|im_start|>, <|im_end|> = eos = pad)."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_batch(
+    tok: PreTrainedTokenizerFast,
+    texts: list[str],
+    ground_truth: list,
+    data_source: str | list[str] = "user",
+    extra_info: list[dict] | None = None,
+    eos: list[bool] | None = None,
+) -> Batch:
+    """responses right-padded with PAD, response_mask 1 up to and including EOS."""
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    ids = [[*x, EOS] if (eos is None or eos[i]) else x for i, x in enumerate(ids)]
+    width = max(len(x) for x in ids) + 2
+    responses = torch.full((len(ids), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, x in enumerate(ids):
+        responses[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    sources = [data_source] * len(texts) if isinstance(data_source, str) else data_source
+    return Batch(
+        {"responses": responses, "response_mask": mask},
+        {
+            "data_source": sources,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info or [{} for _ in texts],
+            "raw_prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(len(ids))],
+        },
+    )

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from helpers import PAD, byte_tokenizer, make_batch
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from creditrl.batch import Batch
 from creditrl.config.schema import RewardConfig, RewardModelConfig
 from creditrl.errors import UserCodeError
 from creditrl.models.model_dir import ModelError
@@ -34,11 +33,6 @@ from creditrl.rewards.registry import (
 )
 from creditrl.rewards.reward_model import RewardModelWorker
 from creditrl.rewards.scorers import gsm8k_score, math_score, reasoning_gym_score
-
-PAD = EOS = 2
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-)
 
 # A user scorer file for the worker-pool tests: its behaviour is chosen by the response text.
 USER_SCORERS = textwrap.dedent(
@@ -77,54 +71,6 @@ USER_SCORERS = textwrap.dedent(
         return 7
     """
 )
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A tiny byte-level tokenizer (ids 0-2 special: unk, <|im_start|>, <|im_end|> = eos = pad)."""
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-    )
-    fast.chat_template = CHATML
-    return fast
-
-
-def make_batch(
-    tok: PreTrainedTokenizerFast,
-    texts: list[str],
-    ground_truth: list,
-    data_source: str | list[str] = "user",
-    extra_info: list[dict] | None = None,
-    eos: list[bool] | None = None,
-) -> Batch:
-    """responses right-padded with PAD, response_mask 1 up to and including EOS."""
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    ids = [[*x, EOS] if (eos is None or eos[i]) else x for i, x in enumerate(ids)]
-    width = max(len(x) for x in ids) + 2
-    responses = torch.full((len(ids), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(ids), width, dtype=torch.long)
-    for i, x in enumerate(ids):
-        responses[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    sources = [data_source] * len(texts) if isinstance(data_source, str) else data_source
-    return Batch(
-        {"responses": responses, "response_mask": mask},
-        {
-            "data_source": sources,
-            "ground_truth": ground_truth,
-            "extra_info": extra_info or [{} for _ in texts],
-            "raw_prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(len(ids))],
-        },
-    )
 
 
 @pytest.fixture(scope="module")

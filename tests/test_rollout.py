@@ -5,15 +5,13 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
+from helpers import PAD, PROMPTS, prompt_batch, tiny_hf_engine
 
 from creditrl import Batch
-from creditrl.config.schema import RolloutConfig
 from creditrl.rollout import (
-    HFRolloutEngine,
     cpu_kernels,
     eos_token_ids_of,
     filter_logits,
@@ -26,7 +24,6 @@ from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, prealloc
 from creditrl.rollout.llama_decode import LlamaDecoder
 from creditrl.rollout.sampling import inverse_cdf_sample
 
-PAD = 2
 FIELDS = {
     "prompts": torch.int64,
     "responses": torch.int64,
@@ -36,38 +33,6 @@ FIELDS = {
     "position_ids": torch.int64,
     "rollout_log_probs": torch.float32,
 }
-
-
-def prompt_batch(rows: list[list[int]], repeat: int = 1) -> Batch:
-    """Left-padded prompt batch (pad id 2), each row repeated ``repeat`` times in a row."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows]).repeat_interleave(repeat, 0)
-    lengths = torch.tensor([len(r) for r in rows]).repeat_interleave(repeat)
-    mask = (torch.arange(width)[None] >= width - lengths[:, None]).long()
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    n = len(ids)
-    return Batch(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
-        {"index": list(range(n)), "ground_truth": [str(i) for i in range(n)]},
-        {"step": 3},
-    )
-
-
-PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 905, 906, 907]]
-
-
-def engine(model, tokenizer, **overrides) -> HFRolloutEngine:
-    engine_options = (
-        "seed",
-        "eos_token_ids",
-        "remove_finished",
-        "fast_decode",
-        "tree_prefill",
-        "small_batch_rows",
-    )
-    options = {k: overrides.pop(k) for k in engine_options if k in overrides}
-    cfg = replace(RolloutConfig(max_response_length=12, micro_batch_size=64), **overrides)
-    return HFRolloutEngine(model, tokenizer, cfg, **options)
 
 
 def teacher_forced_log_probs(model, out: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -96,7 +61,7 @@ def count_forward_rows(model) -> tuple[list[int], torch.utils.hooks.RemovableHan
 
 def test_output_fields_shapes_dtypes_and_layout(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=2)
-    out = engine(model, tokenizer).generate(prompts)
+    out = tiny_hf_engine(model, tokenizer).generate(prompts)
     b, p = prompts["input_ids"].shape
     t = out["responses"].shape[1]
     assert t == int(out["response_mask"].sum(1).max()) and 1 <= t <= 12
@@ -117,7 +82,9 @@ def test_output_fields_shapes_dtypes_and_layout(model, tokenizer):
 
 def test_eos_masks_padding_and_zero_log_probs(model, tokenizer):
     stop_ids = list(range(0, 49152, 6))  # about 1 in 6 tokens ends a response
-    rollout = engine(model, tokenizer, eos_token_ids=stop_ids, max_response_length=10, seed=1)
+    rollout = tiny_hf_engine(
+        model, tokenizer, eos_token_ids=stop_ids, max_response_length=10, seed=1
+    )
     out = rollout.generate(prompt_batch(PROMPTS, repeat=4))
     responses, mask, log_probs = out["responses"], out["response_mask"], out["rollout_log_probs"]
     lengths = mask.sum(1)
@@ -137,7 +104,7 @@ def test_default_eos_ids_come_from_tokenizer_and_generation_config(model, tokeni
     model.generation_config.eos_token_id = [2, 7]
     try:
         assert eos_token_ids_of(model, tokenizer) == [2, 7]
-        assert engine(model, tokenizer).eos_token_ids.tolist() == [2, 7]
+        assert tiny_hf_engine(model, tokenizer).eos_token_ids.tolist() == [2, 7]
     finally:
         model.generation_config.eos_token_id = 2
 
@@ -147,7 +114,7 @@ def test_default_eos_ids_come_from_tokenizer_and_generation_config(model, tokeni
 
 def test_greedy_is_deterministic_and_temperature_zero_is_greedy(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=2)
-    rollout = engine(model, tokenizer)
+    rollout = tiny_hf_engine(model, tokenizer)
     first = rollout.generate(prompts, greedy=True)
     assert first.equals(rollout.generate(prompts, greedy=True))
     assert first.equals(rollout.generate(prompts, temperature=0.0))
@@ -156,20 +123,20 @@ def test_greedy_is_deterministic_and_temperature_zero_is_greedy(model, tokenizer
 
 def test_same_seed_same_samples(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=2)
-    a = engine(model, tokenizer, seed=5).generate(prompts)
-    b = engine(model, tokenizer, seed=5).generate(prompts)
-    c = engine(model, tokenizer, seed=6).generate(prompts)
+    a = tiny_hf_engine(model, tokenizer, seed=5).generate(prompts)
+    b = tiny_hf_engine(model, tokenizer, seed=5).generate(prompts)
+    c = tiny_hf_engine(model, tokenizer, seed=6).generate(prompts)
     assert a.equals(b)
     assert not torch.equal(a["responses"], c["responses"])
-    rollout = engine(model, tokenizer, seed=0)
+    rollout = tiny_hf_engine(model, tokenizer, seed=0)
     assert rollout.generate(prompts, seed=5).equals(a)
 
 
 def test_sample_seeds_make_samples_independent_of_batching(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=4)
     prompts["sample_seed"] = torch.arange(len(prompts), dtype=torch.int64) * 7919 + 11
-    whole = engine(model, tokenizer, seed=1, temperature=1.0).generate(prompts)
-    small = engine(model, tokenizer, seed=2, temperature=1.0, micro_batch_size=3)
+    whole = tiny_hf_engine(model, tokenizer, seed=1, temperature=1.0).generate(prompts)
+    small = tiny_hf_engine(model, tokenizer, seed=2, temperature=1.0, micro_batch_size=3)
     halves = [small.generate(part) for part in prompts.chunk(2)]
     for name in ("responses", "response_mask"):
         rejoined = torch.cat([h[name] for h in halves])[:, : whole[name].shape[1]]
@@ -201,7 +168,7 @@ def test_counter_uniforms_are_splitmix64():
 
 def test_left_padded_prompt_generates_what_it_generates_alone(model, tokenizer):
     short, long = PROMPTS[1], PROMPTS[2]
-    rollout = engine(model, tokenizer)
+    rollout = tiny_hf_engine(model, tokenizer)
     alone = rollout.generate(prompt_batch([short]), greedy=True)
     beside = rollout.generate(prompt_batch([long, short]), greedy=True)
     assert torch.equal(beside["responses"][1], alone["responses"][0])
@@ -212,8 +179,8 @@ def test_left_padded_prompt_generates_what_it_generates_alone(model, tokenizer):
 
 def test_micro_batches_give_the_same_greedy_output(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=2)
-    whole = engine(model, tokenizer).generate(prompts, greedy=True)
-    split = engine(model, tokenizer, micro_batch_size=4).generate(prompts, greedy=True)
+    whole = tiny_hf_engine(model, tokenizer).generate(prompts, greedy=True)
+    split = tiny_hf_engine(model, tokenizer, micro_batch_size=4).generate(prompts, greedy=True)
     assert torch.equal(whole["responses"], split["responses"])
     torch.testing.assert_close(
         whole["rollout_log_probs"], split["rollout_log_probs"], atol=1e-5, rtol=0
@@ -224,7 +191,7 @@ def test_micro_batches_give_the_same_greedy_output(model, tokenizer):
 
 
 def test_rollout_log_probs_match_teacher_forced_forward(model, tokenizer):
-    rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 8)), seed=3)
+    rollout = tiny_hf_engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 8)), seed=3)
     out = rollout.generate(prompt_batch(PROMPTS, repeat=3), temperature=1.0)
     valid = out["response_mask"].bool()
     assert valid.sum() > len(valid)  # more than one token per row on average
@@ -234,13 +201,13 @@ def test_rollout_log_probs_match_teacher_forced_forward(model, tokenizer):
 
 
 def test_log_probs_use_the_temperature(model, tokenizer):
-    out = engine(model, tokenizer, seed=4).generate(prompt_batch(PROMPTS), temperature=0.7)
+    out = tiny_hf_engine(model, tokenizer, seed=4).generate(prompt_batch(PROMPTS), temperature=0.7)
     expected = teacher_forced_log_probs(model, out, temperature=0.7) * out["response_mask"]
     torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-4, rtol=0)
 
 
 def test_greedy_log_probs_are_of_the_unscaled_distribution(model, tokenizer):
-    out = engine(model, tokenizer).generate(prompt_batch(PROMPTS), greedy=True)
+    out = tiny_hf_engine(model, tokenizer).generate(prompt_batch(PROMPTS), greedy=True)
     expected = teacher_forced_log_probs(model, out) * out["response_mask"]
     torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-4, rtol=0)
 
@@ -250,14 +217,14 @@ def test_greedy_log_probs_are_of_the_unscaled_distribution(model, tokenizer):
 
 def test_top_k_one_equals_greedy(model, tokenizer):
     prompts = prompt_batch(PROMPTS, repeat=2)
-    greedy = engine(model, tokenizer).generate(prompts, greedy=True)
-    top1 = engine(model, tokenizer, top_k=1, seed=9).generate(prompts, temperature=1.3)
+    greedy = tiny_hf_engine(model, tokenizer).generate(prompts, greedy=True)
+    top1 = tiny_hf_engine(model, tokenizer, top_k=1, seed=9).generate(prompts, temperature=1.3)
     assert torch.equal(top1["responses"], greedy["responses"])
     assert top1["rollout_log_probs"].eq(0).all()  # one token left: probability 1
 
 
 def test_top_p_never_samples_a_filtered_token(model, tokenizer):
-    rollout = engine(model, tokenizer, top_p=0.3, top_k=50, seed=2)
+    rollout = tiny_hf_engine(model, tokenizer, top_p=0.3, top_k=50, seed=2)
     out = rollout.generate(prompt_batch(PROMPTS, repeat=4), temperature=0.5)
     valid = out["response_mask"].bool()
     assert torch.isfinite(out["rollout_log_probs"][valid]).all()
@@ -367,7 +334,7 @@ def test_finished_rows_leave_the_running_batch(model, tokenizer):
     stop_ids = list(range(0, 49152, 5))
     outs, sizes = {}, {}
     for remove in (True, False):
-        rollout = engine(  # fast_decode=False: count rows through model.forward
+        rollout = tiny_hf_engine(  # fast_decode=False: count rows through model.forward
             model,
             tokenizer,
             eos_token_ids=stop_ids,
@@ -402,7 +369,9 @@ def test_llama_decoder_equals_the_model_forward(model, tokenizer, greedy):
     prompts = prompt_batch(PROMPTS, repeat=3)
     outs, stats = {}, {}
     for fast in (True, False):
-        rollout = engine(model, tokenizer, eos_token_ids=list(range(0, 49152, 7)), fast_decode=fast)
+        rollout = tiny_hf_engine(
+            model, tokenizer, eos_token_ids=list(range(0, 49152, 7)), fast_decode=fast
+        )
         outs[fast] = rollout.generate(prompts, seed=3, greedy=greedy)
         stats[fast] = rollout.last_stats
     assert LlamaDecoder.for_model(model) is not None
@@ -418,7 +387,7 @@ def test_llama_decoder_attends_with_the_fused_kernel(model, tokenizer):
     """Every decode step's attention runs SDPA's fused CPU kernel: a query with a strided last
     dimension (the weight-major product's layout) would send it to the math kernel."""
     prompts = prompt_batch(PROMPTS, repeat=2)
-    rollout = engine(model, tokenizer, eos_token_ids=[])
+    rollout = tiny_hf_engine(model, tokenizer, eos_token_ids=[])
     with torch.profiler.profile() as profile:
         rollout.generate(prompts, seed=0)
     names = [event.name for event in profile.events()]
@@ -436,7 +405,7 @@ def test_generation_passes_the_cache_by_its_current_name(model, tokenizer, fast_
     run prints no deprecation warning: padded and trie prefill, decode through the model and
     through the Llama decoder."""
     assert cache_keyword(model) in inspect.signature(type(model).forward).parameters
-    rollout = engine(model, tokenizer, eos_token_ids=[], fast_decode=fast_decode)
+    rollout = tiny_hf_engine(model, tokenizer, eos_token_ids=[], fast_decode=fast_decode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rollout.generate(prompt_batch(PROMPTS, repeat=2), seed=0)
@@ -454,7 +423,9 @@ def test_a_lora_model_gets_the_cache_by_its_base_models_name(model, tokenizer) -
         warnings.simplefilter("always")
         lora = apply_lora(copy.deepcopy(model), rank=4, alpha=8, target_modules="q_proj,v_proj")
         assert cache_keyword(lora) == cache_keyword(model)
-        engine(lora, tokenizer, eos_token_ids=[]).generate(prompt_batch(PROMPTS[:1]), seed=0)
+        tiny_hf_engine(lora, tokenizer, eos_token_ids=[]).generate(
+            prompt_batch(PROMPTS[:1]), seed=0
+        )
     assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
 
 
@@ -487,7 +458,7 @@ def test_trie_prefill_equals_the_padded_prefill(model, tokenizer):
     prompts = prompt_batch(rows, repeat=3)
     outs, stats = {}, {}
     for tree in (True, False):
-        rollout = engine(model, tokenizer, max_response_length=6, tree_prefill=tree)
+        rollout = tiny_hf_engine(model, tokenizer, max_response_length=6, tree_prefill=tree)
         outs[tree] = rollout.generate(prompts, seed=5)
         stats[tree] = rollout.last_stats
     assert torch.equal(outs[True]["responses"], outs[False]["responses"])
@@ -503,8 +474,10 @@ def test_engine_toggles_are_per_engine_with_module_defaults(model, tokenizer, mo
     """The speed toggles are constructor arguments: two engines in one process can differ and
     sample the same tokens; left out, the module-level defaults are read when it is built."""
     prompts = prompt_batch(PROMPTS, repeat=2)
-    plain = engine(model, tokenizer, fast_decode=False, tree_prefill=False, small_batch_rows=0)
-    fast = engine(model, tokenizer)
+    plain = tiny_hf_engine(
+        model, tokenizer, fast_decode=False, tree_prefill=False, small_batch_rows=0
+    )
+    fast = tiny_hf_engine(model, tokenizer)
     assert (plain.fast_decode, plain.tree_prefill, plain.small_batch_rows) == (False, False, 0)
     assert (fast.fast_decode, fast.tree_prefill) == (True, True)
     assert fast.small_batch_rows == cpu_kernels.SMALL_BATCH_ROWS > 0
@@ -516,7 +489,7 @@ def test_engine_toggles_are_per_engine_with_module_defaults(model, tokenizer, mo
     monkeypatch.setattr(hf_engine, "FAST_DECODE", False)
     monkeypatch.setattr(hf_engine, "TREE_PREFILL", False)
     monkeypatch.setattr(cpu_kernels, "SMALL_BATCH_ROWS", 3)
-    later = engine(model, tokenizer)
+    later = tiny_hf_engine(model, tokenizer)
     assert (later.fast_decode, later.tree_prefill, later.small_batch_rows) == (False, False, 3)
     assert fast.fast_decode and fast.tree_prefill  # built before: unchanged
 
@@ -525,7 +498,7 @@ def test_engine_toggles_are_per_engine_with_module_defaults(model, tokenizer, mo
 
 
 def test_bad_prompt_batches_are_rejected(model, tokenizer):
-    rollout = engine(model, tokenizer)
+    rollout = tiny_hf_engine(model, tokenizer)
     prompts = prompt_batch(PROMPTS)
     right_padded = prompts["attention_mask"].flip(1)
     bad = Batch({"input_ids": prompts["input_ids"], "attention_mask": right_padded})
@@ -536,13 +509,13 @@ def test_bad_prompt_batches_are_rejected(model, tokenizer):
     with pytest.raises(ValueError, match="temperature"):
         rollout.generate(prompts, temperature=-1.0)
     with pytest.raises(ValueError, match="max_response_length"):
-        engine(model, tokenizer, max_response_length=0)
+        tiny_hf_engine(model, tokenizer, max_response_length=0)
 
 
 def test_training_mode_is_restored(model, tokenizer):
     model.train()
     try:
-        engine(model, tokenizer, max_response_length=2).generate(prompt_batch(PROMPTS))
+        tiny_hf_engine(model, tokenizer, max_response_length=2).generate(prompt_batch(PROMPTS))
         assert model.training
     finally:
         model.eval()

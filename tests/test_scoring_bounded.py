@@ -9,7 +9,7 @@ import re
 import threading
 
 import pytest
-from test_rewards_scoring import byte_tokenizer, make_batch
+from helpers import byte_tokenizer, make_batch
 
 from creditrl.agents.parsing import parse_tool_calls
 from creditrl.agents.task_rewards import AgentSample, calc_structured_reward
