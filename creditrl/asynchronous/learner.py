@@ -132,6 +132,7 @@ class Learner(GroupReceiver, TrainingLoop):
             prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
             self.out.mkdir(parents=True, exist_ok=True)
             self.publisher = WeightPublisher(weight_root(cfg), a.keep_weight_versions, a.lora_sync)
+            self.held.append(self.publisher.lock)  # released with the output folder
             self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
             self.dumper = AsyncRolloutDumper(
                 self.out, cfg.trainer.rollout_dump_rows, self.tokenizer

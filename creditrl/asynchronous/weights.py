@@ -10,12 +10,19 @@ What is published (``meta.json`` ``kind``): ``full`` (a plain model's state dict
 it into a plain model) or ``adapter`` (the LoRA adapter tensors alone: samplers hold the same
 LoRA wrapping). Tied tensors (``lm_head.weight`` = ``model.embed_tokens.weight``) are stored
 once; their aliases are recorded in the safetensors metadata. safetensors + JSON only.
+
+The folder is the publisher's alone: it holds the run lock ``run.lock`` while it publishes (a
+second run naming the same ``asynchronous.weight_dir`` is refused in one line), and a folder
+holding anything but what it writes (``OWN_NAMES``) is refused in one line, so nothing of the
+user's is ever pruned. Only its own temporary names (``PARTIAL_NAMES``), left by a crash, are
+removed when it starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -29,6 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from creditrl.bounded_json import JsonLimits, read_json_file
+from creditrl.errors import ConfigError
+from creditrl.trainers.run_lock import LOCK_NAME, RunLock
 
 __all__ = [
     "WeightPublisher",
@@ -45,6 +54,13 @@ META_FILE = "meta.json"
 POINTER = "latest"
 _POINTER_LIMITS = JsonLimits(max_bytes=4096, max_depth=4, max_items=64)  # latest, meta.json
 LORA_SYNC = ("merged", "adapter")
+WEIGHT_DIR_KEY = "asynchronous.weight_dir"
+VERSION_DIR = re.compile(r"v\d{8}")
+# a version folder or a pointer being written (tempfile's names: 8 of [a-z0-9_])
+PARTIAL_NAMES = re.compile(r"\.v\d{8}\.[a-z0-9_]{8}|\.latest\.[a-z0-9_]{8}\.tmp")
+OWN_NAMES = re.compile(
+    rf"{re.escape(POINTER)}|{re.escape(LOCK_NAME)}|{VERSION_DIR.pattern}|{PARTIAL_NAMES.pattern}"
+)
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -128,9 +144,33 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _claim(root: Path) -> RunLock:
+    """Lock the weight folder ``root`` (made if missing) for this run and remove the partial
+    publications a crash left; a one-line ``ConfigError`` naming ``asynchronous.weight_dir``,
+    before anything is written there, when it holds anything the publisher does not write."""
+    for entry in sorted(root.iterdir()) if root.is_dir() else ():
+        name = entry.name
+        own = OWN_NAMES.fullmatch(name) is not None and not entry.is_symlink()
+        if not own or (VERSION_DIR.fullmatch(name) and not entry.is_dir()):
+            raise ConfigError(
+                f"{WEIGHT_DIR_KEY}={root} holds {name[:80]!r}, which is not a weight version "
+                "creditrl wrote; the learner prunes this folder, so give it an empty folder of "
+                "its own (null: <trainer.output_dir>/weights)"
+            )
+    lock = RunLock.acquire(root, WEIGHT_DIR_KEY)
+    for entry in root.iterdir():
+        if PARTIAL_NAMES.fullmatch(entry.name):  # a publication cut short by a crash
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    return lock
+
+
 class WeightPublisher:
     """The learner's side: ``publish(model, version)`` writes a complete version directory,
-    then moves ``latest`` to it, then prunes all but the newest ``keep`` versions.
+    then moves ``latest`` to it, then prunes all but the newest ``keep`` versions. It holds
+    the folder (``_claim``) until ``lock.release()``.
 
     With ``background=True`` the weights are copied at once (the caller may keep training) and
     written by a thread; at most one publication is in flight (a new one first waits for the
@@ -141,9 +181,7 @@ class WeightPublisher:
         self.root = Path(root)
         self.keep = max(int(keep), 1)
         self.lora_sync = lora_sync
-        self.root.mkdir(parents=True, exist_ok=True)
-        for partial in self.root.glob(".v*"):  # a publication cut short by a crash
-            shutil.rmtree(partial, ignore_errors=True)
+        self.lock = _claim(self.root)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -196,7 +234,11 @@ class WeightPublisher:
         return WeightSubscriber(self.root).latest()
 
     def _prune(self, keep: Path) -> None:
-        versions = sorted(p for p in self.root.glob("v*") if (p / META_FILE).is_file())
+        versions = sorted(
+            p
+            for p in self.root.iterdir()
+            if VERSION_DIR.fullmatch(p.name) and not p.is_symlink() and (p / META_FILE).is_file()
+        )
         for old in [p for p in versions if p != keep][: max(len(versions) - self.keep, 0)]:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -50,9 +50,9 @@ class TrainingLoop:
 
     def build_holding_folder(self, hold: bool) -> None:
         """Take ``trainer.output_dir``'s run lock when ``hold`` (the main process: one run per
-        folder, held until ``release_folder``), then ``_build()``; the lock is released if
-        building fails."""
-        self.run_lock = RunLock.acquire(self.out) if hold else None
+        folder, held until ``release_folder``), then ``_build()``, which may add the locks of
+        other folders it writes to ``held``; they are released if building fails."""
+        self.held: list[RunLock] = [RunLock.acquire(self.out)] if hold else []
         try:
             self._build()
         except BaseException:
@@ -60,9 +60,9 @@ class TrainingLoop:
             raise
 
     def release_folder(self) -> None:
-        """Release the run lock taken by ``build_holding_folder`` (if any)."""
-        if self.run_lock is not None:
-            self.run_lock.release()
+        """Release the locks taken by ``build_holding_folder`` (if any), the newest first."""
+        while self.held:
+            self.held.pop().release()
 
     # ---- what a loop says --------------------------------------------------------------------
 

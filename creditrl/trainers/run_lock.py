@@ -12,6 +12,9 @@ very lock file, so the run's own learner is not refused.
 
 ``check_output_dir`` makes the folder, or says in one line (``ConfigError`` naming
 ``trainer.output_dir``) why it cannot be one: a file there or above it, no permission.
+
+Another folder a run writes into (the async learner's ``asynchronous.weight_dir``) is locked
+the same way, ``RunLock.acquire(folder, key)``; the refusals then name ``key``.
 """
 
 from __future__ import annotations
@@ -49,25 +52,21 @@ class RunInUseError(UserError):
     """Another run holds the output folder's lock."""
 
 
-def check_output_dir(out: Path) -> Path:
+def check_output_dir(out: Path, key: str = "trainer.output_dir") -> Path:
     """Create ``out`` (and its parents) if needed and return it; ``ConfigError`` naming
-    ``trainer.output_dir`` when it is a file, lies below one, or cannot be made."""
+    ``key`` when it is a file, lies below one, or cannot be made."""
     out = Path(out)
     for path in (out, *out.parents):
         with contextlib.suppress(OSError):
             if not stat.S_ISDIR(os.stat(path).st_mode):
                 what = "is a file" if path == out else f"lies below the file {path}"
-                raise ConfigError(
-                    f"trainer.output_dir={out} {what}, not a folder; choose another "
-                    "trainer.output_dir"
-                )
+                raise ConfigError(f"{key}={out} {what}, not a folder; choose another {key}")
             break
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(
-            f"trainer.output_dir={out}: cannot create it ({err.strerror}); choose another "
-            "trainer.output_dir"
+            f"{key}={out}: cannot create it ({err.strerror}); choose another {key}"
         ) from None
     return out
 
@@ -114,21 +113,21 @@ def _record() -> bytes:
     return json.dumps(record).encode("utf-8") + b"\n"
 
 
-def _open(path: Path) -> int:
+def _open(path: Path, key: str) -> int:
     """The lock file's descriptor (created if missing; a planted link is never followed)."""
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as err:
         raise ConfigError(
-            f"trainer.output_dir={path.parent}: cannot open its lock file {path.name} "
-            f"({err.strerror}); remove it or choose another trainer.output_dir"
+            f"{key}={path.parent}: cannot open its lock file {path.name} "
+            f"({err.strerror}); remove it or choose another {key}"
         ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ConfigError(
-            f"trainer.output_dir={path.parent}: {path.name} is not a regular file; remove it "
-            "or choose another trainer.output_dir"
+            f"{key}={path.parent}: {path.name} is not a regular file; remove it or choose "
+            f"another {key}"
         )
     return fd
 
@@ -162,28 +161,26 @@ class RunLock:
         self.path = path
 
     @classmethod
-    def acquire(cls, out: Path) -> RunLock:
+    def acquire(cls, out: Path, key: str = "trainer.output_dir") -> RunLock:
         """Make ``out`` (``check_output_dir``) and lock it; ``RunInUseError`` (one line naming
-        the holder) when another run holds it."""
-        path = check_output_dir(out) / LOCK_NAME
+        the holder and ``key``, the setting that chose the folder) when another run holds it."""
+        path = check_output_dir(out, key) / LOCK_NAME
         inherited = _inherited(path)
         if inherited is not None:
             return cls(inherited, path)
-        fd = _open(path)
+        fd = _open(path, key)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
             raise RunInUseError(
-                f"trainer.output_dir={out} is in use by another run ({holder}); wait for it "
-                "to end or stop it, or choose another trainer.output_dir"
+                f"{key}={out} is in use by another run ({holder}); wait for it to end or stop "
+                f"it, or choose another {key}"
             ) from None
         except OSError as err:
             os.close(fd)
-            raise ConfigError(
-                f"trainer.output_dir={out}: cannot lock {LOCK_NAME} ({err.strerror})"
-            ) from None
+            raise ConfigError(f"{key}={out}: cannot lock {LOCK_NAME} ({err.strerror})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, _record(), 0)
         return cls(fd, path)
