@@ -16,4 +16,5 @@ SUBCOMMANDS: list[str] = [
     "creditrl.commands.check_tokenization",
     "creditrl.commands.export",
     "creditrl.commands.evaluate",
+    "creditrl.commands.serve_tinker",
 ]
