@@ -44,6 +44,10 @@ def preflight(cfg: Config) -> list[str]:
         from creditrl.environments.verifiers import load_verifiers_environment
 
         load_verifiers_environment(cfg.env)
+    if cfg.env.openenv is not None:  # the package, the target and its action's text field
+        from creditrl.environments.openenv import load_openenv_environment
+
+        load_openenv_environment(cfg.env)
     check_models(cfg)
     check_max_failure_rate(cfg.reward.max_failure_rate)
     if _uses_tools(cfg):

@@ -78,6 +78,8 @@ def run_code(cfg: Config) -> list[str]:
     traits = strategy_traits(cfg)  # the code the selected rollout strategy runs
     if cfg.env.verifiers is not None:
         found.append(f"env.verifiers={format_value(cfg.env.verifiers)}")
+    elif cfg.env.openenv is not None:
+        found.append(f"env.openenv={format_value(cfg.env.openenv)}")
     elif traits.runs_program:
         found.append(f"agent.program={format_value(cfg.agent.program)}")
     if traits.uses_tools and cfg.agent.tool_config is not None:

@@ -578,12 +578,15 @@ class EnvConfig:
     """An environment from a hub, trained unchanged (``creditrl.environments``): its rows are
     the prompts, its rollout runs each trajectory through the agent endpoint (the
     ``agent.max_concurrent_episodes``, ``agent.episode_timeout_s`` and ``agent.endpoint_*``
-    settings apply), its rubric scores it. Needs ``pip install 'creditrl[verifiers]'``."""
+    settings apply), its rubric scores it. Needs ``pip install 'creditrl[verifiers]'``; an
+    OpenEnv environment (``creditrl.environments.openenv``) needs ``'creditrl[openenv]'``."""
 
     verifiers: str | None = None
     """A verifiers 0.3 environment: 'file.py:load_environment' or 'module:load_environment'."""
+    openenv: str | None = None
+    """An OpenEnv environment: 'file.py:EnvClass' (in process), 'file.py:app' (served), or a URL."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of env.verifiers's load_environment."""
+    """Keyword arguments of env.verifiers's load_environment, or of env.openenv's class."""
 
 
 @dataclass

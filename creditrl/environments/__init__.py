@@ -4,8 +4,13 @@
   ``env.kwargs.*``): its rows are the run's prompts, each trajectory is its rollout against
   creditrl's OpenAI-compatible endpoint (``creditrl.agents.program``, token-exact, drift
   located), its rubric's total is the score and its named parts are extra metrics.
+- ``openenv``: an OpenEnv environment (``env.openenv=FILE_OR_MODULE:EnvClass``, ``:app`` or a
+  local server's URL): its first observations by seed are the prompts, each trajectory is one
+  episode of reset/step with the policy's replies through the same endpoint, the sum of its
+  rewards is the score.
 
-Imports are lazy: ``verifiers`` is an optional extra (``pip install 'creditrl[verifiers]'``).
+Imports are lazy: ``verifiers`` and ``openenv`` are optional extras (``pip install
+'creditrl[verifiers]'``, ``'creditrl[openenv]'``).
 """
 
 from __future__ import annotations

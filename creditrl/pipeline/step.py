@@ -54,8 +54,8 @@ def sampled_temperature(batch: Batch, cfg: Config) -> float:
 
 
 def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
-    """(train, validation) datasets of ``cfg``: an environment's (``env.verifiers``), an agent
-    task's, or the data section's."""
+    """(train, validation) datasets of ``cfg``: an environment's (``env.verifiers``,
+    ``env.openenv``), an agent task's, or the data section's."""
     from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
     from creditrl.data import build_datasets
 
@@ -63,6 +63,10 @@ def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         from creditrl.environments.verifiers import environment_datasets
 
         return environment_datasets(cfg, tokenizer)
+    if cfg.env.openenv is not None:
+        from creditrl.environments.openenv import environment_datasets as openenv_datasets
+
+        return openenv_datasets(cfg, tokenizer)
     if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
         return build_agent_datasets(cfg, tokenizer)
     return build_datasets(cfg.data, tokenizer, cfg.distill)

@@ -6,9 +6,11 @@
 - ``agent_program``: the user's ``agent.program`` (``creditrl.agents.program``) through
   creditrl's endpoint;
 - ``verifiers``: a verifiers environment's rollouts (``env.verifiers``,
-  ``creditrl.environments``) through the same endpoint.
+  ``creditrl.environments``) through the same endpoint;
+- ``openenv``: an OpenEnv environment's episodes (``env.openenv``,
+  ``creditrl.environments.openenv``) through the same endpoint.
 
-The user's keys stay ``agent.enable``, ``agent.program`` and ``env.verifiers``;
+The user's keys stay ``agent.enable``, ``agent.program``, ``env.verifiers`` and ``env.openenv``;
 ``rollout_strategy`` is the one place that reads them to choose an entry. Every other module
 asks the chosen entry what it does (``strategy_traits``) or builds it (``build_rollout``). More
 entries are added with ``register_rollout_strategy`` and chosen with ``rollout.strategy``.
@@ -96,11 +98,19 @@ def _verifiers(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     return build_verifiers_rollout(engine, tokenizer, cfg)
 
 
+@_register("openenv", StrategyTraits(multi_turn=True, runs_program=True))
+def _openenv(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    from creditrl.environments.openenv import build_openenv_rollout
+
+    return build_openenv_rollout(engine, tokenizer, cfg)
+
+
 def rollout_strategy(cfg: Config) -> str:
     """The entry ``cfg`` selects: ``rollout.strategy`` when set (a ConfigError naming the
-    choices when nothing is registered under it), else ``verifiers`` when ``env.verifiers`` is
-    set, ``agent_program`` when ``agent.program`` is set (with or without ``agent.enable``),
-    ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
+    choices when nothing is registered under it), else ``openenv`` when ``env.openenv`` is set,
+    ``verifiers`` when ``env.verifiers`` is set, ``agent_program`` when ``agent.program`` is set
+    (with or without ``agent.enable``), ``agent_loop`` when ``agent.enable``, else
+    ``single_turn``."""
     chosen = cfg.rollout.strategy
     if chosen is not None:
         if chosen not in ROLLOUT_STRATEGIES:
@@ -109,6 +119,14 @@ def rollout_strategy(cfg: Config) -> str:
                 f"one of {', '.join(ROLLOUT_STRATEGIES.names())} (or null)"
             )
         return chosen
+    if cfg.env.openenv is not None:
+        other = "env.verifiers" if cfg.env.verifiers is not None else "agent.program"
+        if cfg.env.verifiers is not None or cfg.agent.program is not None:
+            raise ConfigError(
+                f"env.openenv and {other} both choose the rollout (each runs its own "
+                "episodes); set one of them"
+            )
+        return "openenv"
     if cfg.env.verifiers is not None:
         if cfg.agent.program is not None:
             raise ConfigError(

@@ -1,0 +1,484 @@
+"""An OpenEnv environment trained unchanged: ``env.openenv=TARGET``.
+
+``TARGET`` names one of three local kinds (nothing runs in Docker, nothing reaches the network
+unless the user's own server does):
+
+- in process: ``file.py:MyEnvironment`` or ``module:MyEnvironment``, an
+  ``openenv.core.env_server.Environment`` subclass. Each episode builds its own instance with
+  ``env.kwargs``; a class that does not declare ``SUPPORTS_CONCURRENT_SESSIONS = True`` runs
+  one episode at a time, as OpenEnv's own server does;
+- a local server process: ``file.py:app`` or ``module:app``, the FastAPI app OpenEnv's
+  ``create_app`` made (an environment's ``server/app.py``). creditrl serves it with uvicorn in
+  a child process on 127.0.0.1 at a free port, for as long as the creditrl process lives; each
+  episode opens its own WebSocket session with OpenEnv's ``GenericEnvClient`` (a session the
+  server refuses for capacity is retried until one frees up);
+- a server already running: ``http://127.0.0.1:8000`` (or ``ws://``), e.g. ``uv run server``.
+
+Rows: an OpenEnv environment has no dataset; its prompts are its first observations.
+Training row ``i`` is ``reset(seed=data.seed + i)`` for ``i < data.train_size``; validation row
+``i`` is ``reset(seed=data.seed + VAL_SEED_OFFSET + i)`` for ``i < data.val_size``. The row's
+prompt is that observation's text as the user message (after ``data.system_prompt`` when set).
+
+Episode: ``reset(seed)``, then per turn the policy's reply through creditrl's endpoint
+(``creditrl.agents.program``: token-exact, observations masked), the reply's text as the
+action, ``step(action)``, the observation's text as the next user message; until the
+observation is ``done``, ``agent.max_turns`` steps were taken, or the trajectory's token budget
+is spent. The score is the sum of the step rewards; ``openenv_steps`` and ``openenv_done`` are
+metrics (``reward/openenv_steps_mean``, ...).
+
+Text <-> OpenEnv types: the reply's text fills the action's one string field (the action schema
+may have ``metadata`` and optional fields besides); an action with another shape is refused
+when the environment loads. An observation's text is its one string field when it has exactly
+one (``done``, ``reward`` and ``metadata`` aside), else its fields as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import typing
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from creditrl.config.schema import Config, EnvConfig
+from creditrl.data.dataset import PromptDataset
+from creditrl.data.rows import PromptRow, parse_row
+from creditrl.errors import ConfigError, DataError, UserCodeError
+from creditrl.usercode import load_user_object, one_line
+
+__all__ = [
+    "DATA_SOURCE",
+    "INSTALL_HINT",
+    "VAL_SEED_OFFSET",
+    "OpenEnvProgram",
+    "build_openenv_rollout",
+    "environment_datasets",
+    "load_openenv_environment",
+    "observation_text",
+]
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'creditrl[openenv]'"
+DATA_SOURCE = "openenv"
+MODEL_NAME = "creditrl-policy"
+VAL_SEED_OFFSET = 1_000_000
+URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+SERVER_START_S = 60.0  # how long a served app may take to answer /health
+CAPACITY_RETRY_S = 0.05  # wait before asking a full server for a session again
+NOT_TEXT = ("done", "reward", "metadata")  # observation fields that are not its text
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], OpenEnvTarget] = {}
+
+
+def _openenv() -> Any:
+    """``openenv.core.env_server``; ConfigError naming the extra when it is missing."""
+    try:
+        from openenv.core import env_server
+    except ImportError as e:
+        raise ConfigError(
+            f"env.openenv needs the openenv package, which is not installed or does not import "
+            f"({one_line(e, 120)}): {INSTALL_HINT}"
+        ) from None
+    return env_server
+
+
+def observation_text(observation: Mapping[str, Any]) -> str:
+    """The text of an observation (as a dict): its one string field, else its fields as JSON."""
+    fields = {k: v for k, v in observation.items() if k not in NOT_TEXT}
+    texts = [v for v in fields.values() if isinstance(v, str)]
+    if len(texts) == 1:
+        return texts[0]
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _text_field(schema: Mapping[str, Any], origin: str) -> str:
+    """The string field of an action JSON schema that receives the reply's text."""
+    properties = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    required = set(schema.get("required") or ()) - {"metadata"}
+    strings = [
+        k for k, v in properties.items() if isinstance(v, Mapping) and v.get("type") == "string"
+    ]
+    chosen = [k for k in strings if k in required] or strings
+    if len(chosen) != 1 or not required <= set(chosen):
+        raise UserCodeError(
+            f"env.openenv: {origin}'s action has fields {sorted(properties)} (required "
+            f"{sorted(required)}); creditrl puts the reply's text into an action with one "
+            "string field (write an agent.program for other actions)"
+        )
+    return chosen[0]
+
+
+@dataclass
+class StepOutcome:
+    """What reset or step returned: the observation (as a dict), its reward and done."""
+
+    observation: dict[str, Any]
+    reward: float | None
+    done: bool
+
+
+class OpenEnvTarget:
+    """One loaded ``env.openenv``: opens episode sessions (``session()``) whose ``reset`` and
+    ``step`` return ``StepOutcome``; ``text_field`` names the action's text field."""
+
+    text_field: str
+
+    def session(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        raise NotImplementedError
+
+
+class InProcessTarget(OpenEnvTarget):
+    """An ``Environment`` subclass, one instance per episode, in this process."""
+
+    def __init__(self, env_cls: type, kwargs: dict[str, Any], spec: str) -> None:
+        self.env_cls, self.kwargs, self.spec = env_cls, kwargs, spec
+        self.action_cls = _action_class(env_cls, spec)
+        self.text_field = _text_field(self.action_cls.model_json_schema(), spec)
+        concurrent = bool(getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", False))
+        self.one_at_a_time = None if concurrent else threading.Lock()
+
+    def build(self) -> Any:
+        try:
+            return self.env_cls(**self.kwargs)
+        except Exception as e:
+            raise UserCodeError(
+                f"env.openenv: {self.spec}({', '.join(sorted(self.kwargs))}) raised "
+                f"{type(e).__name__}: {one_line(e, 200)}"
+            ) from None
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[Any]:
+        lock = self.one_at_a_time
+        if lock is not None:
+            while not lock.acquire(blocking=False):  # a timed-out episode leaves it free
+                await asyncio.sleep(CAPACITY_RETRY_S)
+        env = self.build()
+        try:
+            yield _InProcessSession(env, self.action_cls, self.text_field)
+        finally:
+            with contextlib.suppress(Exception):
+                env.close()
+            if lock is not None:
+                lock.release()
+
+
+class _InProcessSession:
+    def __init__(self, env: Any, action_cls: type, text_field: str) -> None:
+        self.env, self.action_cls, self.text_field = env, action_cls, text_field
+
+    @staticmethod
+    def _outcome(obs: Any) -> StepOutcome:
+        reward = obs.reward
+        return StepOutcome(
+            obs.model_dump(), None if reward is None else float(reward), bool(obs.done)
+        )
+
+    async def reset(self, seed: int) -> StepOutcome:
+        return self._outcome(await self.env.reset_async(seed=seed))
+
+    async def step(self, text: str) -> StepOutcome:
+        return self._outcome(await self.env.step_async(self.action_cls(**{self.text_field: text})))
+
+
+class ServerTarget(OpenEnvTarget):
+    """An OpenEnv server on this machine (served by creditrl or already running): one
+    WebSocket session per episode through ``GenericEnvClient``."""
+
+    def __init__(self, base_url: str, origin: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        http = "http" + self.base_url[2:] if self.base_url.startswith("ws") else self.base_url
+        try:
+            with urllib.request.urlopen(f"{http}/schema", timeout=10) as response:
+                schema = json.loads(response.read())
+        except Exception as e:
+            raise UserCodeError(
+                f"env.openenv: the OpenEnv server of {origin} gave no /schema: "
+                f"{type(e).__name__}: {one_line(e, 160)}"
+            ) from None
+        self.text_field = _text_field(schema.get("action") or {}, origin)
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[Any]:
+        from openenv.core import GenericEnvClient
+
+        while True:
+            client = GenericEnvClient(base_url=self.base_url)
+            try:
+                await client.connect()
+                break
+            except Exception as e:  # a full server refuses the session: wait for a free one
+                await client.close()
+                if "CAPACITY_REACHED" not in str(e):
+                    raise
+                await asyncio.sleep(CAPACITY_RETRY_S)
+        try:
+            yield _ServerSession(client, self.text_field)
+        finally:
+            await client.close()
+
+
+class _ServerSession:
+    def __init__(self, client: Any, text_field: str) -> None:
+        self.client, self.text_field = client, text_field
+
+    async def _call(self, fn: Callable[[], Any]) -> StepOutcome:
+        while True:
+            try:
+                result = await fn()
+                break
+            except RuntimeError as e:  # the session was refused for capacity at its first call
+                if "CAPACITY_REACHED" not in str(e):
+                    raise
+                await asyncio.sleep(CAPACITY_RETRY_S)
+        reward = result.reward
+        return StepOutcome(
+            dict(result.observation or {}), None if reward is None else float(reward),
+            bool(result.done),
+        )  # fmt: skip
+
+    async def reset(self, seed: int) -> StepOutcome:
+        return await self._call(lambda: self.client.reset(seed=seed))
+
+    async def step(self, text: str) -> StepOutcome:
+        return await self._call(lambda: self.client.step({self.text_field: text}))
+
+
+def _action_class(env_cls: type, spec: str) -> type:
+    """The Action subclass ``env_cls.step`` takes (its annotation, else the class's generic
+    arguments)."""
+    from openenv.core.env_server.types import Action
+
+    candidates: list[Any] = []
+    with contextlib.suppress(Exception):
+        candidates.append(typing.get_type_hints(env_cls.step).get("action"))
+    for klass in env_cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            candidates.extend(typing.get_args(base))
+    for c in candidates:
+        if isinstance(c, type) and issubclass(c, Action) and c is not Action:
+            return c
+    raise UserCodeError(
+        f"env.openenv: {spec}'s step() names no Action subclass (annotate `action: MyAction`)"
+    )
+
+
+# ---- the local server ----------------------------------------------------------------------
+
+
+_servers: list[subprocess.Popen[bytes]] = []
+
+
+def _stop_servers() -> None:
+    for process in _servers:
+        process.terminate()
+    for process in _servers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+
+
+atexit.register(_stop_servers)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_app(spec: str) -> str:
+    """Serve the app ``spec`` names with uvicorn in a child process on 127.0.0.1; its base URL
+    once it answers /health (stopped when this process exits)."""
+    port = _free_port()
+    command = [sys.executable, "-m", "creditrl.environments.openenv", spec, str(port)]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    _servers.append(process)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserCodeError(
+                f"env.openenv: serving {spec} failed (exit {process.returncode}; its error is "
+                "above)"
+            )
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2):
+            return url
+        time.sleep(0.2)
+    process.terminate()
+    raise UserCodeError(f"env.openenv: {spec} did not answer /health within {SERVER_START_S:.0f} s")
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def load_openenv_environment(env_cfg: EnvConfig) -> OpenEnvTarget:
+    """The environment ``env_cfg.openenv`` names, loaded (and served, for an app) once per
+    process per (target, kwargs); a one-line error when the package is missing or the target
+    is none of the three kinds."""
+    spec = env_cfg.openenv
+    if spec is None:
+        raise ConfigError("env.openenv is not set")
+    kwargs = dict(env_cfg.kwargs or {})
+    key = (spec, json.dumps(kwargs, sort_keys=True, default=repr))
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _load(spec, kwargs)
+        return _loaded[key]
+
+
+def _load(spec: str, kwargs: dict[str, Any]) -> OpenEnvTarget:
+    env_server = _openenv()
+    if spec.startswith(URL_SCHEMES):
+        return ServerTarget(spec, spec)
+    obj = load_user_object(spec, "env.openenv")
+    if isinstance(obj, type) and issubclass(obj, env_server.Environment):
+        return InProcessTarget(obj, kwargs, spec)
+    if hasattr(obj, "router") and hasattr(obj, "routes"):  # an ASGI app (FastAPI)
+        if kwargs:
+            raise ConfigError(
+                f"env.kwargs: {spec} is a served app, which takes no keyword arguments"
+            )
+        return ServerTarget(serve_app(spec), spec)
+    raise UserCodeError(
+        f"env.openenv: {spec} is a {type(obj).__name__}, not an OpenEnv Environment subclass "
+        "or the app create_app made"
+    )
+
+
+# ---- rows ----------------------------------------------------------------------------------
+
+
+def _first_observations(target: OpenEnvTarget, seeds: list[int]) -> list[str]:
+    """The text of ``reset(seed)`` for each seed, through one session (on a thread of its own,
+    so a caller with a running event loop is fine)."""
+
+    async def collect() -> list[str]:
+        async with target.session() as session:
+            return [observation_text((await session.reset(seed)).observation) for seed in seeds]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            return pool.submit(asyncio.run, collect()).result()
+        except (ConfigError, DataError, UserCodeError):
+            raise
+        except Exception as e:
+            raise UserCodeError(
+                f"env.openenv: reset() raised {type(e).__name__}: {one_line(e, 200)}"
+            ) from None
+
+
+def _rows(cfg: Config, target: OpenEnvTarget, split: str, seeds: list[int]) -> list[PromptRow]:
+    system = cfg.data.system_prompt
+    rows = []
+    for i, (seed, text) in enumerate(zip(seeds, _first_observations(target, seeds), strict=True)):
+        prompt = [{"role": "user", "content": text}]
+        if system:
+            prompt.insert(0, {"role": "system", "content": system})
+        raw = {
+            "prompt": prompt,
+            "ground_truth": None,
+            "data_source": DATA_SOURCE,
+            "extra": {"openenv": {"seed": seed}},
+        }
+        rows.append(parse_row(raw, f"env.openenv {split} row {i + 1} (seed {seed})"))
+    return rows
+
+
+def environment_datasets(cfg: Config, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+    """``(train, val)`` prompt datasets of ``env.openenv``: first observations by seed (module
+    docstring); ``val`` is None when ``data.val_size`` is 0."""
+    target = load_openenv_environment(cfg.env)
+    data = cfg.data
+    origin = f"env.openenv={cfg.env.openenv!r}"
+    train = _rows(cfg, target, "train", [data.seed + i for i in range(data.train_size)])
+    val_seeds = [data.seed + VAL_SEED_OFFSET + i for i in range(data.val_size)]
+    val = _rows(cfg, target, "val", val_seeds) if val_seeds else []
+
+    def dataset(rows: list[PromptRow], split: str) -> PromptDataset:
+        return PromptDataset(
+            rows, tokenizer, data.max_prompt_length, data.overlong_prompt, split,
+            f"{origin} ({split})",
+        )  # fmt: skip
+
+    return dataset(train, "train"), (dataset(val, "val") if val else None)
+
+
+# ---- episodes ------------------------------------------------------------------------------
+
+
+def _budget_spent(e: Exception) -> bool:
+    """Whether ``e`` is the endpoint saying the trajectory's token budget is used up."""
+    return getattr(e, "code", None) == "budget_exhausted" or "budget_exhausted" in str(e)
+
+
+class OpenEnvProgram:
+    """The agent program of one OpenEnv environment: ``await program(row, client)`` plays the
+    row's episode (module docstring) and returns ``{"score": sum of rewards,
+    "openenv_steps": n, "openenv_done": 0 or 1}``."""
+
+    def __init__(self, target: OpenEnvTarget, max_turns: int) -> None:
+        self.target, self.max_turns = target, max_turns
+
+    async def __call__(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
+        import openai
+
+        seed = int(((row.get("extra_info") or {}).get("openenv") or {}).get("seed", 0))
+        system = [m for m in row.get("messages") or [] if m.get("role") == "system"]
+        async with self.target.session() as env:
+            outcome = await env.reset(seed)
+            messages = [*system, {"role": "user", "content": observation_text(outcome.observation)}]
+            total, steps = 0.0, 0
+            while not outcome.done and steps < self.max_turns:
+                try:
+                    reply = await client.chat.completions.create(
+                        model=MODEL_NAME, messages=messages
+                    )
+                except openai.APIStatusError as e:
+                    if _budget_spent(e):
+                        break
+                    raise
+                text = reply.choices[0].message.content or ""
+                messages.append({"role": "assistant", "content": text})
+                outcome = await env.step(text)
+                steps += 1
+                total += outcome.reward or 0.0
+                if not outcome.done:
+                    messages.append(
+                        {"role": "user", "content": observation_text(outcome.observation)}
+                    )
+        return {"score": total, "openenv_steps": float(steps), "openenv_done": float(outcome.done)}
+
+
+def build_openenv_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    """The rollout of ``env.openenv``: ``ProgramRollout`` playing the environment's episodes
+    through the endpoint."""
+    from creditrl.agents.program import ProgramRollout
+
+    target = load_openenv_environment(cfg.env)
+    program = OpenEnvProgram(target, cfg.agent.max_turns)
+    return ProgramRollout.for_run(engine, tokenizer, cfg, program=program)
+
+
+def _serve(spec: str, port: int) -> None:
+    """Run the app ``spec`` names on 127.0.0.1:``port`` (the child process of ``serve_app``)."""
+    import uvicorn
+
+    uvicorn.run(
+        load_user_object(spec, "env.openenv"), host="127.0.0.1", port=port, log_level="warning"
+    )
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,161 @@
+"""env.openenv: an OpenEnv environment trained unchanged, token-exact, through creditrl's
+endpoint (first observations by seed as prompts, reset/step per episode, rewards summed), in
+process and as a local server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import tiny_engine_config
+
+from creditrl.config import load_config
+from creditrl.errors import ConfigError, UserCodeError
+from creditrl.models import load_tokenizer
+from creditrl.models.tiny import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+GUESS = ROOT / "examples" / "openenv_guess.py"
+needs_openenv = pytest.mark.skipif(
+    importlib.util.find_spec("openenv") is None,
+    reason="needs the openenv extra (pip install 'creditrl[openenv]'), which make install "
+    "leaves out: its gradio dependency pins pillow<13 and huggingface-hub<2",
+)
+
+
+def env_config(out: Path, target: str, *extra: str):
+    """The tiny model on the guessing game: 2 prompts x 2 episodes a step, 3 guesses each."""
+    return tiny_engine_config(
+        out, f"env.openenv={target}", "reward.num_workers=0", "data.max_prompt_length=256",
+        "rollout.max_response_length=48", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
+        *extra,
+    )  # fmt: skip
+
+
+def step_metrics(out: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("step", 0) > 0]
+
+
+def scripted_episodes(target: str, replies: list[list[str]]) -> Any:
+    """The rollout Batch of four episodes (two prompts, each twice) whose turns are forced to
+    ``replies[episode]`` (texts, each ended by EOS)."""
+    from creditrl.agents.program import ProgramRollout
+    from creditrl.agents.scripted import ScriptedTurnGenerator
+    from creditrl.data import collate_prompts
+    from creditrl.environments.openenv import (
+        OpenEnvProgram,
+        environment_datasets,
+        load_openenv_environment,
+    )
+
+    tok = load_tokenizer(tiny_model_dir())
+    cfg = env_config(Path("unused"), target, "rollout.max_response_length=96")
+    train, _ = environment_datasets(cfg, tok)
+    eos = tok.eos_token_id
+    scripts = [[[*tok.encode(t, add_special_tokens=False), eos] for t in r] for r in replies]
+    rollout = ProgramRollout(
+        None, tok, cfg.agent, cfg.rollout, fallback_score=-1.0,
+        max_prompt_length=cfg.data.max_prompt_length,
+        turn_generator=ScriptedTurnGenerator(scripts, [eos]),
+        program=OpenEnvProgram(load_openenv_environment(cfg.env), cfg.agent.max_turns),
+    )  # fmt: skip
+    try:
+        return rollout.generate(
+            collate_prompts([train[0], train[0], train[1], train[1]], tok.pad_token_id), seed=1
+        )
+    finally:
+        rollout.close()
+
+
+# ---- the settings ---------------------------------------------------------------------------
+
+
+def test_the_key_selects_the_strategy_and_is_documented(capsys) -> None:
+    from creditrl.cli import main
+    from creditrl.config.run_config import run_code
+    from creditrl.rollout.strategies import rollout_strategy
+
+    spec = f"{GUESS}:GuessEnvironment"
+    cfg = load_config(overrides=[f"env.openenv={spec}", "env.kwargs.high=3"])
+    assert rollout_strategy(cfg) == "openenv" and cfg.env.kwargs == {"high": 3}
+    assert run_code(cfg) == [f"env.openenv='{spec}'"]
+    with pytest.raises(ConfigError, match=r"env\.openenv and agent\.program both choose"):
+        load_config(overrides=[f"env.openenv={spec}", f"agent.program={spec}"])
+    assert main(["config", "--doc", "env"]) == 0
+    assert "env.openenv" in capsys.readouterr().out
+
+
+def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch) -> None:
+    from creditrl.preflight import preflight
+
+    monkeypatch.setitem(sys.modules, "openenv", None)  # import openenv -> ImportError
+    monkeypatch.setitem(sys.modules, "openenv.core", None)
+    cfg = load_config(overrides=[f"env.openenv={GUESS}:GuessEnvironment", "env.kwargs.high=5"])
+    with pytest.raises(
+        ConfigError, match=r"^env\.openenv needs the openenv package.*creditrl\[openenv\]'$"
+    ):
+        preflight(cfg)
+
+
+def test_observation_text_is_its_one_string_field_else_json() -> None:
+    from creditrl.environments.openenv import observation_text
+
+    assert observation_text({"prompt": "hi", "done": False, "reward": 1.0, "metadata": {}}) == "hi"
+    assert observation_text({"a": "x", "b": 2, "done": True}) == "x"
+    assert observation_text({"a": "x", "b": "y"}) == '{"a": "x", "b": "y"}'
+
+
+# ---- the kinds -------------------------------------------------------------------------------
+
+
+@needs_openenv
+@pytest.mark.parametrize("target", ["GuessEnvironment", "app"])
+def test_an_episode_is_reset_then_steps_until_done(target: str) -> None:
+    """In process and served: the secret of seeds 0 and 1 (high=4) is 4 and 2; a right guess
+    ends the episode with reward 1, a wrong one gets a hint as the next (masked) user turn."""
+    batch = scripted_episodes(f"{GUESS}:{target}", [["4"], ["2", "3", "1"], ["2"], ["1", "3", "4"]])
+    infos, extra = batch["agent_info"], batch["extra_info"]
+    assert [a["episode"] for a in infos] == ["ok"] * 4
+    rewards = [e["program_reward"] for e in extra]
+    assert [r["score"] for r in rewards] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["openenv_steps"] for r in rewards] == [1.0, 3.0, 1.0, 3.0]
+    assert [r["openenv_done"] for r in rewards] == [1.0, 0.0, 1.0, 0.0]
+    assert [m["content"] for m in batch["messages"][1][-2:]] == ["Higher. Guess again.", "1"]
+    mask = batch["response_mask"][1]
+    assert 0 < int(mask.sum()) < int(batch["attention_mask"][1, -mask.shape[0] :].sum())
+
+
+@needs_openenv
+def test_a_wrong_action_shape_is_one_line(tmp_path: Path) -> None:
+    from creditrl.environments.openenv import load_openenv_environment
+
+    env_file = tmp_path / "two_fields.py"
+    env_file.write_text(
+        "from openenv.core.env_server import Action, Observation, Environment, State\n"
+        "class A(Action):\n    x: str\n    y: int\n"
+        "class E(Environment):\n"
+        "    def reset(self, seed=None, episode_id=None, **kw): return Observation()\n"
+        "    def step(self, action: A, timeout_s=None, **kw): return Observation(done=True)\n"
+        "    @property\n    def state(self): return State()\n"
+    )
+    cfg = load_config(overrides=[f"env.openenv={env_file}:E"])
+    with pytest.raises(UserCodeError, match=r"action has fields \['x', 'y'\].*one string field"):
+        load_openenv_environment(cfg.env)
+
+
+@needs_openenv
+def test_the_example_trains_two_steps_in_process(tmp_path: Path) -> None:
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = env_config(tmp_path, f"{GUESS}:GuessEnvironment", "trainer.total_steps=2")
+    RLTrainer(cfg).fit()
+    steps = step_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["agent/episodes_ok"] == 4
+        assert 1.0 <= s["reward/openenv_steps_mean"] <= 3.0
