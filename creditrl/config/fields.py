@@ -14,11 +14,16 @@ from typing import Any
 __all__ = [
     "AT_LEAST_0",
     "AT_LEAST_1",
+    "COEFFICIENT",
+    "FEW_SHOT",
+    "FLOAT32_MAX",
     "GRAD_CLIP",
     "OPTIONAL_AT_LEAST_0",
     "OPTIONAL_POSITIVE",
     "PORT",
     "POSITIVE",
+    "SCORE",
+    "SIGNED_COEFFICIENT",
     "UNIT",
     "USER_CODE",
     "Range",
@@ -86,6 +91,14 @@ UNIT, PORT = Range(0, 1), Range(0, 65535)
 GRAD_CLIP = Range(0, low_open=True, null="no clipping; 0 would freeze the weights")
 OPTIONAL_AT_LEAST_0 = Range(0, null="unset")
 OPTIONAL_POSITIVE = Range(0, low_open=True, null="unset")
+# Every float setting becomes a float32 tensor somewhere; a coefficient also multiplies
+# per-token terms (log-prob gaps up to ~1e4) that are then summed and squared in float32.
+FLOAT32_MAX = 3.4028234663852886e38
+_PRODUCTS = "larger ones overflow float32 rewards and losses"
+COEFFICIENT = Range(0, 1e4, note=_PRODUCTS)
+SIGNED_COEFFICIENT = Range(-1e4, 1e4, note=_PRODUCTS)
+SCORE = Range(-1e9, 1e9, note="what a scorer may return")
+FEW_SHOT = Range(0, 64, note="each example adds two messages to every prompt")
 
 
 def meta(

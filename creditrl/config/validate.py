@@ -17,7 +17,14 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from creditrl.config.fields import Range, choices_of, choices_text, format_value, value_at
+from creditrl.config.fields import (
+    FLOAT32_MAX,
+    Range,
+    choices_of,
+    choices_text,
+    format_value,
+    value_at,
+)
 from creditrl.config.options import resolve_options
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
@@ -181,6 +188,11 @@ def _check_numbers(cfg: Config) -> None:
         for number in numbers:
             if isinstance(number, float) and not math.isfinite(number):
                 raise ConfigError(f"{key}={format_value(number)} is not a finite number")
+            if isinstance(number, float) and abs(number) > FLOAT32_MAX:
+                raise ConfigError(
+                    f"{key}={format_value(number)} is beyond what float32 carries "
+                    f"(+-{FLOAT32_MAX:.4g}), and the run computes in float32"
+                )
     for key, allowed in RANGES.items():
         value = value_at(cfg, key)
         if value is None and allowed.null:
