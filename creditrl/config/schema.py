@@ -13,11 +13,15 @@ from typing import Any
 from creditrl.config.fields import (
     AT_LEAST_0,
     AT_LEAST_1,
+    COEFFICIENT,
+    FEW_SHOT,
     GRAD_CLIP,
     OPTIONAL_AT_LEAST_0,
     OPTIONAL_POSITIVE,
     PORT,
     POSITIVE,
+    SCORE,
+    SIGNED_COEFFICIENT,
     UNIT,
     Range,
     meta,
@@ -83,7 +87,7 @@ class DataConfig:
     """A prompt over max_prompt_length is 'drop'ped (counted) or 'raise's an error."""
     system_prompt: str | None = None
     """System message for rows without one; null: the task's default instruction."""
-    few_shot: int = field(default=1, metadata=meta(range=AT_LEAST_0))
+    few_shot: int = field(default=1, metadata=meta(range=FEW_SHOT))
     """Worked examples (task questions with tagged answers) before each data.task question."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (from data.seed); false: file order."""
@@ -166,7 +170,7 @@ class RewardConfig:
     """Scoring worker processes; 0: one for built-in scorers, user scorers in this process."""
     timeout_s: float = field(default=10.0, metadata=meta(range=POSITIVE))
     """Seconds a sample may take to score, then fallback_score (num_workers=0 included)."""
-    fallback_score: float = 0.0
+    fallback_score: float = field(default=0.0, metadata=meta(range=SCORE))
     """Score of a sample whose scorer raised, timed out, or gave NaN/inf or an oversized result."""
     max_failure_rate: float = field(default=0.5, metadata=meta(range=UNIT))
     """A step with a larger share of failed samples stops the run; 1: never."""
@@ -240,9 +244,9 @@ class ActorConfig:
     """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO style)."""
     kl_loss_type: str = field(default="low_var_kl", metadata=meta(choices_from=KL_CHOICES))
     """KL estimator of the loss term (k1, k2, k3 = low_var_kl, ...; '+': straight-through)."""
-    kl_loss_coef: float = field(default=0.001, metadata=meta(range=AT_LEAST_0))
+    kl_loss_coef: float = field(default=0.001, metadata=meta(range=COEFFICIENT))
     """Coefficient of the KL loss term."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = field(default=0.0, metadata=meta(range=SIGNED_COEFFICIENT))
     """Entropy bonus: the loss minus entropy_coeff x mean token entropy; 0: off."""
     use_rollout_log_probs: bool = True
     """Reuse the rollout's log-probs as old_log_probs when it samples the actor exactly."""
@@ -293,7 +297,7 @@ class KLControlConfig:
 
     type: str = field(default="fixed", metadata=meta(choices_from="creditrl.core:KL_CONTROLLERS"))
     """'fixed' beta, or 'adaptive': beta moves so the measured KL approaches target_kl."""
-    kl_coef: float = field(default=0.001, metadata=meta(range=AT_LEAST_0))
+    kl_coef: float = field(default=0.001, metadata=meta(range=COEFFICIENT))
     """beta of the KL reward penalty (adaptive: its starting value)."""
     target_kl: float = field(default=0.1, metadata=meta(range=POSITIVE))
     """adaptive: the KL the controller steers toward."""
@@ -343,7 +347,7 @@ class OverlongBufferConfig:
     """Penalise responses reaching into the last len tokens of rollout.max_response_length."""
     len: int = field(default=16, metadata=meta(range=AT_LEAST_1))
     """Tokens at the end of the response budget over which the penalty grows linearly."""
-    penalty_factor: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
+    penalty_factor: float = field(default=1.0, metadata=meta(range=COEFFICIENT))
     """The penalty at the full budget (-penalty_factor at max_response_length)."""
 
 
@@ -601,9 +605,11 @@ class DistillConfig:
         default="same", metadata=meta(choices=("same", "few_shot", "ground_truth"))
     )
     """The teacher's prompt: 'same', 'few_shot' (+ data.task examples), 'ground_truth' (+answer)."""
-    teacher_few_shot: int = field(default=1, metadata=meta(range=AT_LEAST_1))
+    teacher_few_shot: int = field(
+        default=1, metadata=meta(range=Range(1, FEW_SHOT.high, note=FEW_SHOT.note))
+    )
     """teacher_prompt=few_shot: the worked examples it sees (those data.few_shot=N would show)."""
-    coef: float = field(default=1.0, metadata=meta(range=AT_LEAST_0))
+    coef: float = field(default=1.0, metadata=meta(range=COEFFICIENT))
     """Weight of the distillation term in the token-level rewards."""
     combine: str = field(default="add", metadata=meta(choices=("add", "replace")))
     """'add' the term to the task reward, or 'replace' the task reward (scores still logged)."""
