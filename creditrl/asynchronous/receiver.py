@@ -43,6 +43,7 @@ from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, Gr
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.pipeline.plan import structured_reward
+from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper
 
@@ -88,6 +89,7 @@ class GroupReceiver:
         optional = {"ref_log_prob": needs_reference(cfg) and a.ref_on == "sampler",
                     "teacher_log_prob": teacher_on_sampler(cfg),
                     "rm_scores": cfg.reward.reward_model.enable,
+                    "rollout_kept_counts": kept_sets_recorded(cfg),
                     **dict.fromkeys(AGENT_FIELDS, strategy_traits(cfg).multi_turn),
                     **dict.fromkeys(STRUCTURED_FIELDS, structured_reward(cfg))}  # fmt: skip
         self.limits = GroupLimits(

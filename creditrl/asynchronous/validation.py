@@ -14,7 +14,8 @@ one per id of the row); it also tells the bytes the group holds, which the learn
 bounded by (``max_group_bytes`` is the most an accepted group holds).
 ``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
 within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
-model's vocabulary, the optional fields this run sends, a weight version not in the future.
+model's vocabulary, kept-set sizes (sampling replay) at most the vocabulary, the optional
+fields this run sends, a weight version not in the future.
 
 Unknown fields are refused (``fields``), never dropped: a sampler that writes fields this
 learner does not know runs other code or another config, and its groups would not
@@ -420,6 +421,13 @@ class GroupLimits:
                     f"{where}: {name} holds token id {top} >= vocabulary size {self.vocab_size}",
                     "token_id",
                 )
+        kept = group.tensors.get("rollout_kept_counts", None)
+        if kept is not None and int(kept.max()) > self.vocab_size:
+            raise MessageError(
+                f"{where}: rollout_kept_counts holds a kept set of {int(kept.max())} tokens, "
+                f"more than the vocabulary's {self.vocab_size}",
+                "value",
+            )
         if version > current:
             raise MessageError(
                 f"{where} claims weight version {version} > the learner's {current}", "version"

@@ -148,6 +148,14 @@ _SPECS = [
         wire="episode", kind="log_prob",
     ),
     FieldSpec(
+        "rollout_kept_counts", "(B, T)", "int64",
+        "size n of the set top-k/top-p/min-p let the sampler draw y_{j+1} from at column j "
+        "(ties at the cut included; 0 on padding and where nothing was cut): the n largest "
+        "logits, over which every log-prob stage renormalises (sampling replay)",
+        "rollout (rollout.sampling_replay with truncation on)",
+        wire="optional", kind="count",
+    ),
+    FieldSpec(
         "old_log_probs", "(B, T)", "float32",
         f"{_TOK}, under the actor before this update (π_old)", "actor.compute_log_prob",
     ),

@@ -121,6 +121,12 @@ class RolloutConfig:
     """Sample among the k most likely tokens; -1: off (else >= 1)."""
     top_p: float = field(default=1.0, metadata=meta(range=Range(0, 1, low_open=True)))
     """Nucleus sampling: the smallest token set with this much probability; 1: off."""
+    min_p: float = field(default=0.0, metadata=meta(range=UNIT))
+    """Keep tokens with at least min_p times the top token's probability; 0: off."""
+    sampling_replay: bool = True
+    """Under top-k/top-p/min-p, train on the distribution sampled from: each token's kept-set
+    size is recorded and every log-prob renormalised over that set (docs/sampling.md); false:
+    full-vocabulary log-probs, biased (the ratio starts away from 1)."""
     max_response_length: int = field(default=96, metadata=meta(range=AT_LEAST_1))
     """Most generated tokens per trajectory (agent: all turns and observations)."""
     micro_batch_size: int = field(default=64, metadata=meta(range=AT_LEAST_1))

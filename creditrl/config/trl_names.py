@@ -63,7 +63,7 @@ TRL_NAMES: dict[str, TrlName] = {
     "temperature": TrlName("rollout.temperature"),
     "top_p": TrlName("rollout.top_p"),
     "top_k": TrlName("rollout.top_k"),
-    "min_p": TrlName(None, "creditrl's samplers have no min-p cut"),
+    "min_p": TrlName("rollout.min_p"),
     "repetition_penalty": TrlName(None, "creditrl's samplers have no repetition penalty"),
     "use_vllm": TrlName("rollout.engine", "rollout.engine=vllm"),
     # loss

@@ -38,8 +38,11 @@ _ALL = [
     Column("mask", "mask", "int", "response_mask: 1 on the policy's own tokens, 0 on observation "
            "or tool tokens (not a time step)"),
     Column("turn", "turn", "int", "turn_ids: turn number of y_t (spec 001), 0 on padding"),
+    Column("kept", "|K_t|", "int", "rollout_kept_counts: how many tokens top-k/top-p/min-p let "
+           "the sampler choose y_t from (sampling replay; 0: the whole vocabulary); every "
+           "log-prob column is over that set, renormalised"),
     Column("rollout_log_prob", "logp_roll", "float", "log π_rollout(y_t | s_t): the sampling "
-           "engine's log-prob (rollout_log_probs)"),
+           "engine's log-prob (rollout_log_probs), over the kept set K_t when |K_t| > 0"),
     Column("old_log_prob", "logp_old", "float", "log π_old(y_t | s_t): the actor before this "
            "update (old_log_probs)"),
     Column("ref_log_prob", "logp_ref", "float", "log π_ref(y_t | s_t): the frozen reference "

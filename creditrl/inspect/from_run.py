@@ -35,6 +35,7 @@ DUMP_FIELDS = {
     "response_mask": "mask",
     "turn_ids": "turn",
     "rollout_log_probs": "rollout_log_prob",
+    "rollout_kept_counts": "kept",
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref_log_prob",
     "teacher_log_prob": "teacher_log_prob",
@@ -47,7 +48,7 @@ DUMP_FIELDS = {
     "rollout_is_weights": "is_weight",
     "loss_mask": "loss_mask",
 }
-_INT_COLUMNS = ("mask", "turn", "loss_mask")
+_INT_COLUMNS = ("mask", "turn", "kept", "loss_mask")
 
 
 def dumped_steps(run_dir: Path) -> list[int]:
@@ -193,7 +194,8 @@ def _check_rewards(t: dict[str, torch.Tensor], s: Settings) -> list[str]:
 def _theta_log_probs(
     rows: list[dict[str, Any]], cfg: Config, theta: str | Path, mask: torch.Tensor
 ) -> torch.Tensor:
-    """log π_θ(y_t | s_t) (B, T) of the dumped token ids under the policy ``theta``."""
+    """log π_θ(y_t | s_t) (B, T) of the dumped token ids under the policy ``theta``, over each
+    token's dumped kept set (sampling replay) when the dump has one."""
     from creditrl.inspect.models import build_batch, compute_log_probs, load_policy
 
     if not all("prompt_ids" in r["per_token"] for r in rows):
@@ -207,5 +209,11 @@ def _theta_log_probs(
         pad_token_id=0,
         response_mask=[[int(m) for m in r["per_token"]["response_mask"]] for r in rows],
     )
+    if all("rollout_kept_counts" in r["per_token"] for r in rows):  # replay the kept sets
+        kept = torch.zeros(batch["responses"].shape, dtype=torch.long)
+        for i, r in enumerate(rows):
+            counts = r["per_token"]["rollout_kept_counts"]
+            kept[i, : len(counts)] = torch.tensor(counts, dtype=torch.long)
+        batch["rollout_kept_counts"] = kept
     log_probs, _ = compute_log_probs(load_policy(cfg, theta), batch, cfg)
     return log_probs.to(torch.float64)[:, : mask.shape[1]]

@@ -46,9 +46,12 @@ __all__ = [
     "RolloutEngine",
     "build_rollout_engine",
     "check_rollout_engine",
+    "check_sampling_replay",
     "engine_traits",
+    "kept_sets_recorded",
     "register_rollout_engine",
     "rollout_log_probs_are_actors",
+    "truncates",
 ]
 
 ROLLOUT_ENGINES: Registry = Registry("rollout engine")
@@ -95,9 +98,14 @@ class RolloutEngine:
       the actor's updates are visible at once and nothing is pushed (unless the actor is
       sharded: then it gets a full copy, refreshed with ``update_weights``). False: it holds
       its own weights, pushed with ``update_weights`` at start and after every update;
-    - ``exact_log_probs``: without top-k/top-p, ``rollout_log_probs`` are the actor's own
-      log-probs at the same temperature (same weights, same numerics), so the trainer may use
-      them as ``old_log_probs`` (``rollout_log_probs_are_actors``);
+    - ``exact_log_probs``: without top-k/top-p/min-p, ``rollout_log_probs`` are the actor's
+      own log-probs at the same temperature (same weights, same numerics), so the trainer may
+      use them as ``old_log_probs`` (``rollout_log_probs_are_actors``);
+    - ``records_kept_set``: under top-k/top-p/min-p it writes ``rollout_kept_counts`` (each
+      sampled token's kept-set size, ``creditrl.rollout.sampling``) when
+      ``rollout.sampling_replay`` is on, so every log-prob stage replays the set it sampled
+      from; an engine that does not is refused in one line with replay on
+      (``check_sampling_replay``);
     - ``supports_lora``: it samples from a LoRA actor (``model.lora_rank > 0``);
     - ``weights_via``: how an async sampler's new weights reach it: ``"tensors"`` (the
       policy module is loaded in this process and its tensors pushed with ``update_weights``)
@@ -120,6 +128,7 @@ class RolloutEngine:
 
     samples_with_actor_module: ClassVar[bool] = False
     exact_log_probs: ClassVar[bool] = False
+    records_kept_set: ClassVar[bool] = False
     supports_lora: ClassVar[bool] = True
     weights_via: ClassVar[str] = "tensors"
     options: ClassVar[tuple[Any, ...]] = ()
@@ -159,8 +168,10 @@ class RolloutEngine:
         ``response_mask`` (B, T) 1 on response tokens; ``input_ids`` / ``attention_mask`` the
         prompt and response concatenated (B, P + T); ``position_ids`` = ``clamp(cumsum(
         attention_mask) - 1, 0)``; ``rollout_log_probs`` (B, T) float32, each sampled token's
-        log-prob under the sampling distribution (temperature, top-k, top-p applied; greedy:
-        the unscaled one), 0 on padding. See ``creditrl.batch.FIELDS``.
+        log-prob under the sampling distribution (temperature, top-k, top-p, min-p applied;
+        greedy: the unscaled one), 0 on padding; with ``records_kept_set``, truncation on and
+        ``rollout.sampling_replay``, ``rollout_kept_counts`` (B, T) int64. See
+        ``creditrl.batch.FIELDS``.
         """
         raise NotImplementedError
 
@@ -208,6 +219,7 @@ class EngineTraits:
 
     samples_with_actor_module: bool = False
     exact_log_probs: bool = False
+    records_kept_set: bool = False
     unavailable_reason: Callable[[], str | None] = _available
     supports_lora: bool = True
     weights_via: str = "tensors"
@@ -221,6 +233,7 @@ class EngineTraits:
 _TRAITS = (
     "samples_with_actor_module",
     "exact_log_probs",
+    "records_kept_set",
     "unavailable_reason",
     "supports_lora",
     "weights_via",
@@ -232,8 +245,8 @@ def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable
     """Decorator: register an engine class (built by its ``from_args(args)``, else
     ``cls(args)``; its class attributes declare the traits) or a builder ``fn(args: EngineArgs)
     -> engine`` under ``name`` and ``aliases``. Keywords (``samples_with_actor_module``,
-    ``exact_log_probs``, ``unavailable_reason``, ``supports_lora``, ``weights_via``,
-    ``options``) declare or override the traits."""
+    ``exact_log_probs``, ``records_kept_set``, ``unavailable_reason``, ``supports_lora``,
+    ``weights_via``, ``options``) declare or override the traits."""
     unknown = sorted(set(traits) - set(_TRAITS))
     if unknown:
         raise TypeError(f"register_rollout_engine: unknown traits {unknown}; use {list(_TRAITS)}")
@@ -271,11 +284,31 @@ def check_rollout_engine(name: str) -> None:
         raise ConfigError(f"rollout.engine={name}: {reason}")
 
 
+def truncates(cfg: RolloutConfig) -> bool:
+    """Training rollouts cut the vocabulary: top-k, top-p or min-p is on."""
+    return cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
+
+
+def check_sampling_replay(cfg: RolloutConfig) -> None:
+    """ConfigError (one line) when sampling replay is asked for (``rollout.sampling_replay``
+    with top-k/top-p/min-p on) and the engine does not declare ``records_kept_set``."""
+    if not (cfg.sampling_replay and truncates(cfg)):
+        return
+    if not engine_traits(cfg.engine).records_kept_set:
+        raise ConfigError(
+            f"rollout.engine={cfg.engine} does not record the kept set of top-k/top-p/min-p "
+            "sampling that rollout.sampling_replay=true replays: drop the truncation or set "
+            "rollout.sampling_replay=false (log-probs over the whole vocabulary, biased)"
+        )
+
+
 def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
     """The engine ``args.cfg.engine`` names, built from ``args`` (checked first with
-    ``check_rollout_engine``); UserCodeError if what it builds lacks part of the interface."""
+    ``check_rollout_engine`` and ``check_sampling_replay``); UserCodeError if what it builds
+    lacks part of the interface."""
     name = args.cfg.engine
     check_rollout_engine(name)
+    check_sampling_replay(args.cfg)
     entry = _entry(name)
     subclass = isinstance(entry, type) and issubclass(entry, RolloutEngine)
     builder = entry.from_args if subclass else entry
@@ -293,11 +326,24 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
 
 def rollout_log_probs_are_actors(cfg: Config) -> bool:
     """The engine's ``rollout_log_probs`` are the actor's own log-probs at the sampling
-    temperature: the engine declares ``exact_log_probs``, no top-k/top-p filtering, and every
-    ``response_mask`` token was sampled (not agent observations with state masking off)."""
+    temperature: the engine declares ``exact_log_probs``; no top-k/top-p/min-p, or they are
+    replayed (``rollout.sampling_replay``, an engine that ``records_kept_set``, a single-turn
+    strategy: the agent loop does not carry the kept sets yet); and every ``response_mask``
+    token was sampled (not agent observations with state masking off)."""
     return (
         engine_traits(cfg.rollout.engine).exact_log_probs
-        and cfg.rollout.top_k <= 0
-        and cfg.rollout.top_p >= 1.0
+        and (not truncates(cfg.rollout) or kept_sets_recorded(cfg))
         and not (strategy_traits(cfg).multi_turn and not cfg.agent.state_masking)
+    )
+
+
+def kept_sets_recorded(cfg: Config) -> bool:
+    """Training batches carry ``rollout_kept_counts``: top-k/top-p/min-p is on, with
+    ``rollout.sampling_replay``, an engine that ``records_kept_set`` and a single-turn
+    strategy (the agent loop does not carry them yet: its runs train over the vocabulary)."""
+    return (
+        cfg.rollout.sampling_replay
+        and truncates(cfg.rollout)
+        and engine_traits(cfg.rollout.engine).records_kept_set
+        and not strategy_traits(cfg).multi_turn
     )

@@ -130,6 +130,7 @@ class HFRolloutEngine(RolloutEngine):
 
     samples_with_actor_module = True
     exact_log_probs = True
+    records_kept_set = True
     options = (DECODE_CACHE,)
 
     def __init__(
@@ -419,8 +420,10 @@ class HFRolloutEngine(RolloutEngine):
         turns: TurnPrefill | None = None,
         decoder: LlamaDecoder | None = None,
         static: StaticDecoder | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Responses (m, L) padded, log-probs (m, L), lengths (m,) for one micro-batch; with
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Responses (m, L) padded, log-probs (m, L), lengths (m,) and, when the sampling
+        truncates and ``rollout.sampling_replay`` is on, kept-set sizes (m, L) (else None) for
+        one micro-batch; with
         ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed. With
         ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
         finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode steps instead
@@ -449,6 +452,8 @@ class HFRolloutEngine(RolloutEngine):
 
         responses = torch.full((m, max_new), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros((m, max_new), dtype=torch.float32, device=device)
+        record = params.truncates and self.cfg.sampling_replay
+        kept = torch.zeros((m, max_new), dtype=torch.long, device=device) if record else None
         lengths = torch.full((m,), max_new, dtype=torch.long, device=device)
         rows = torch.arange(m, device=device)  # micro-batch row of each running row
         alive = torch.ones(m, dtype=torch.bool, device=device)  # naive loop: rows still unfinished
@@ -460,17 +465,22 @@ class HFRolloutEngine(RolloutEngine):
                 uniforms = counter_uniforms(seeds[rows], step).to(device)
             elif not params.greedy:  # one draw per trajectory, so removals do not shift the stream
                 uniforms = torch.rand(m, generator=self.generator, device=device)[rows]
-            tokens, token_log_probs = sample_next_tokens(
+            sampled = sample_next_tokens(
                 logits,
                 temperature=params.temperature,
                 top_k=params.top_k,
                 top_p=params.top_p,
                 greedy=params.greedy,
                 uniforms=uniforms,
+                min_p=params.min_p,
+                with_kept=kept is not None,
             )
+            tokens, token_log_probs = sampled[0], sampled[1]
             live_rows = rows[alive]
             responses[live_rows, step] = tokens[alive]
             log_probs[live_rows, step] = token_log_probs[alive]
+            if kept is not None:
+                kept[live_rows, step] = sampled[2][alive]
             finished = torch.isin(tokens, self.eos_token_ids) & alive
             lengths[rows[finished]] = step + 1
             alive &= ~finished
@@ -502,21 +512,24 @@ class HFRolloutEngine(RolloutEngine):
             stats["decode_rows"] += len(tokens)
             stats["decode_steps"] += 1
         stats["decode_s"] += time.perf_counter() - decode_start
-        return responses, log_probs, lengths
+        return responses, log_probs, lengths, kept
 
     def _assemble(
         self,
         prompts: Batch,
         ids: torch.Tensor,
         mask: torch.Tensor,
-        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     ) -> Batch:
         lengths = torch.cat([p[2] for p in parts])
         width = int(lengths.max())
         responses = torch.cat([p[0][:, :width] for p in parts])
         rollout_log_probs = torch.cat([p[1][:, :width] for p in parts])
         real = (torch.arange(width, device=ids.device)[None] < lengths[:, None]).long()
-        return assemble_rollout_batch(prompts, responses, rollout_log_probs, real)
+        extra = None
+        if parts[0][3] is not None:  # the sampler's kept-set sizes, for sampling replay
+            extra = {"rollout_kept_counts": torch.cat([p[3][:, :width] for p in parts]) * real}
+        return assemble_rollout_batch(prompts, responses, rollout_log_probs, real, extra=extra)
 
 
 def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:

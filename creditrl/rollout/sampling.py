@@ -4,14 +4,20 @@ The sampling distribution at one decode step, for a row of logits ``z`` (V,):
 
     z' = z / temperature  ->  top-k: keep the k largest (ties kept), others -inf
                           ->  top-p: keep the smallest head of the sorted distribution whose mass
-                              reaches p (always at least the most likely token), others -inf
+                              reaches p (always at least the most likely token; ties with its
+                              last token kept), others -inf
+                          ->  min-p: keep tokens with p_v >= min_p * max_u p_u, i.e.
+                              z'_v - max z' >= log(min_p), others -inf
     π_sample = softmax(z'),  log_prob = log_softmax(z')[token]
                                         = z'[token] - max z' - log sum_v exp(z'_v - max z')
 
 (the normaliser's block sums added in float64), so filtered tokens have log-prob -inf and the
-kept ones are renormalised. This is what ``rollout_log_probs`` records (float32). Greedy
-decoding takes ``argmax z`` and records ``log_softmax(z)[argmax]``: the log-prob under the
-unscaled, unfiltered model distribution.
+kept ones are renormalised. This is what ``rollout_log_probs`` records (float32). Every cut
+keeps ties at its boundary, so the kept set K is always {v : z'_v >= c} for a threshold c, and
+its size n = |K| (``kept_counts``) rebuilds it from the same logits: K = the n largest
+(``creditrl.core.kept_set_mask``; ``rollout_kept_counts`` in the batch). Greedy decoding takes
+``argmax z`` and records ``log_softmax(z)[argmax]``: the log-prob under the unscaled, unfiltered
+model distribution (kept count 0: the whole vocabulary).
 
 ``SamplingParams`` (built by ``sampling_params_of`` from the rollout config) and
 ``eos_token_ids_of`` are the settings both engines (``hf``, ``vllm``) sample with.
@@ -19,6 +25,7 @@ unscaled, unfiltered model distribution.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,10 +39,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SamplingParams",
+    "advance_seed",
     "counter_uniforms",
     "eos_token_ids_of",
     "filter_logits",
     "inverse_cdf_sample",
+    "kept_counts",
     "sample_next_tokens",
     "sampling_params_of",
 ]
@@ -74,27 +83,48 @@ def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
     return _logical_shift(x, 11).double() / float(1 << 53)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then top-p filtering of ``logits`` (..., V): removed entries become -inf.
+def advance_seed(seed: int, steps: int) -> int:
+    """The int64 seed whose ``counter_uniforms`` stream is ``seed``'s shifted by ``steps``:
+    ``counter_uniforms(advance_seed(s, k), t) == counter_uniforms(s, t + k)`` (the counter
+    enters only as ``seed + (step + 1) * golden`` modulo 2^64). A turn generated in chunks
+    continues its own stream this way."""
+    return _to_signed((int(seed) + int(steps) * _GOLDEN) & _MASK64)
 
-    ``top_k <= 0`` or ``>= V`` and ``top_p >= 1`` are no-ops (the input is returned as is).
-    Top-p keeps token i (in descending order) iff the mass strictly before it is < ``top_p``.
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p filtering of ``logits`` (..., V): removed entries -inf.
+
+    ``top_k <= 0`` or ``>= V``, ``top_p >= 1`` and ``min_p <= 0`` are no-ops (the input is
+    returned as is). Top-k keeps every token tied with the k-th largest. Top-p keeps token i
+    (in descending order) iff the mass strictly before it is < ``top_p``, and every token tied
+    with the last one kept. Min-p keeps z_v - max z >= log(``min_p``) (p_v >= min_p * p_max).
     """
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        last = ((mass_before < top_p).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+        logits = logits.masked_fill(logits < sorted_logits.gather(-1, last), float("-inf"))
+    if min_p > 0.0:
+        top = logits.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits - top < math.log(min_p), float("-inf"))
     return logits
+
+
+def kept_counts(filtered: torch.Tensor) -> torch.Tensor:
+    """|K| (...,) int64: the tokens ``filter_logits`` kept in each row of ``filtered`` (the
+    finite entries), the count that rebuilds K from the same logits (module docstring)."""
+    return torch.isfinite(filtered).sum(dim=-1)
 
 
 def inverse_cdf_sample(
@@ -142,41 +172,53 @@ def sample_next_tokens(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    min_p: float = 0.0,
+    with_kept: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Choose one token per row of ``logits`` (N, V).
 
     Returns ``(tokens, log_probs)``: int64 (N,) and float32 (N,), the log-prob of each token
     under the sampling distribution described in the module docstring (greedy: under
-    ``log_softmax(logits)``). Sampling uses ``uniforms`` (N,) in [0, 1) if given, else draws
-    them from ``generator`` (on the logits' device); see ``inverse_cdf_sample``.
+    ``log_softmax(logits)``); with ``with_kept`` also ``kept`` int64 (N,), the size of each
+    row's kept set (``kept_counts``; 0 for greedy: the whole vocabulary). Sampling uses
+    ``uniforms`` (N,) in [0, 1) if given, else draws them from ``generator`` (on the logits'
+    device); see ``inverse_cdf_sample``.
     """
     logits = logits.float()
     if greedy:
         log_probs = logits.log_softmax(dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        chosen = log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        return (tokens, chosen, torch.zeros_like(tokens)) if with_kept else (tokens, chosen)
     if temperature <= 0:
         raise ValueError(f"sampling needs temperature > 0, got {temperature} (use greedy=True)")
     scaled = logits / temperature if temperature != 1.0 else logits
-    filtered = filter_logits(scaled, top_k, top_p)
+    filtered = filter_logits(scaled, top_k, top_p, min_p)
     top = filtered.max(dim=-1, keepdim=True).values
     weights = (filtered - top).exp()  # softmax(z') times its row's normaliser
     if uniforms is None:
         uniforms = torch.rand(len(logits), generator=generator, device=logits.device)
     tokens, totals = inverse_cdf_sample(weights, uniforms, with_totals=True)
     chosen = filtered.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
-    return tokens, (chosen.double() - totals.log()).float()
+    log_probs = (chosen.double() - totals.log()).float()
+    return (tokens, log_probs, kept_counts(filtered)) if with_kept else (tokens, log_probs)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One generate() call's settings. ``greedy`` ignores temperature, top-k and top-p."""
+    """One generate() call's settings. ``greedy`` ignores temperature, top-k, top-p, min-p."""
 
     temperature: float
     top_k: int
     top_p: float
     max_new_tokens: int
     greedy: bool
+    min_p: float = 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """Sampling cuts the vocabulary (top-k, top-p or min-p on, not greedy)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 def sampling_params_of(
@@ -192,6 +234,7 @@ def sampling_params_of(
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_response_length,
         greedy=greedy or temperature == 0,
+        min_p=cfg.min_p,
     )
 
 

@@ -264,11 +264,12 @@ def sampling_param_dicts(
 
     Every request samples one completion (``n=1``) of at most ``max_new_tokens`` tokens,
     returns the sampled token's log-prob only (``logprobs=0``) and no text
-    (``detokenize=False``), with penalties and min-p explicitly off. It stops just after an id
+    (``detokenize=False``), with penalties explicitly off. It stops just after an id
     of ``stop_token_ids`` (kept in the output) and on nothing else: ``ignore_eos=True`` makes
     the list exact, so an empty list never stops early (as ``HFRolloutEngine`` with
     ``eos_token_ids=[]``). Greedy rows get temperature 0 and no seed; sampled rows get
-    ``seeds[i]``, ``top_k`` and ``top_p``.
+    ``seeds[i]``, ``top_k``, ``top_p`` and ``min_p`` (vLLM applies min-p before top-k/top-p,
+    the HF engine after: the two agree unless top-p and min-p are both on).
 
     Field names and ranges are those of vllm/sampling_params.py (0.10.2 to 2026 main): top-k
     off is ``top_k=0`` (vLLM before 0.8 wanted -1; current releases still accept -1 quietly but
@@ -307,6 +308,7 @@ def sampling_param_dicts(
         temperature=float(params.temperature),
         top_k=max(int(params.top_k), 0),
         top_p=float(params.top_p),
+        min_p=float(params.min_p),
     )
     return [{**base, "seed": int(seed)} for seed in seeds]
 
@@ -491,6 +493,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     samples_with_actor_module = False
     exact_log_probs = False
+    # vLLM returns the sampled token's log-prob, not the size of the set its top-k/top-p/min-p
+    # kept: with truncation on, rollout.sampling_replay=true is refused in one line
+    # (engine.check_sampling_replay); docs/sampling.md
+    records_kept_set = False
     supports_lora = False  # LoRA weights would have to be merged or loaded as adapters
     options = ("gpu_memory_utilization", "enable_sleep_mode", "vllm_dtype", "tensor_parallel_size")
 

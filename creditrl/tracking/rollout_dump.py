@@ -35,6 +35,7 @@ PER_TOKEN_FIELDS = (
     "response_mask",
     "turn_ids",
     "rollout_log_probs",
+    "rollout_kept_counts",
     "old_log_probs",
     "ref_log_prob",
     "teacher_log_prob",

@@ -10,6 +10,11 @@ For the architectures in ``HEAD_SPLIT_ARCHITECTURES`` (whose logits are exactly
 states at the response positions go to ``core.token_log_probs`` with the head, which computes
 the float32 logits ``actor.logits_chunk_tokens`` tokens at a time; any other model (or one
 sharded by FSDP2, whose root forward gathers the head) is called whole with ``logits_to_keep``.
+
+A batch holding ``rollout_kept_counts`` (sampling replay: the sampler's top-k/top-p/min-p kept
+set sizes) gets log-probs and entropies over each position's kept set, renormalised
+(``core.token_log_probs``' ``kept``): every forward here (plain, packed, prefix tree) passes the
+counts of its response tokens, in the order of its labels (``kept_of``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from creditrl.core.entropy import Head, token_log_probs
 __all__ = [
     "DEFAULT_LOGITS_CHUNK_TOKENS",
     "HEAD_SPLIT_ARCHITECTURES",
+    "KEPT_FIELD",
     "SequenceSlice",
+    "kept_of",
     "output_rows",
     "policy_forward",
     "response_log_probs",
@@ -37,6 +44,15 @@ DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # benchmarks/results/logprob_memory.md
 HEAD_SPLIT_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 )
+KEPT_FIELD = "rollout_kept_counts"
+
+
+def kept_of(batch: Batch, valid: torch.Tensor) -> torch.Tensor | None:
+    """The kept-set sizes (M,) of the response tokens where ``valid`` (B, t) bool is True (the
+    first t response columns), row by row; None when ``batch`` holds no ``KEPT_FIELD``."""
+    if KEPT_FIELD not in batch:
+        return None
+    return batch[KEPT_FIELD][:, : valid.shape[1]].to(valid.device)[valid]
 
 
 @dataclass
@@ -108,9 +124,11 @@ def response_log_probs(
     with_entropy: bool,
     entropy_grad: bool,
     chunk_tokens: int,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | s_t) and, when asked, the entropies, shaped like ``valid`` (bool), 0 where
-    it is False: ``rows`` (M, D) and ``labels`` (M,) are the M valid positions in order."""
+    it is False: ``rows`` (M, D), ``labels`` (M,) and ``kept`` (M,) (kept-set sizes; None: the
+    whole vocabulary) are the M valid positions in order."""
     log_probs, entropy = token_log_probs(
         rows,
         labels,
@@ -119,6 +137,7 @@ def response_log_probs(
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        kept=kept,
     )
 
     def spread(flat: torch.Tensor) -> torch.Tensor:
@@ -159,6 +178,7 @@ def policy_forward(
         with_entropy,
         entropy_grad,
         chunk_tokens,
+        kept_of(batch, valid),
     )
     full_t = batch["responses"].shape[1]
     if t < full_t:

@@ -23,7 +23,12 @@ import torch
 
 from creditrl.batch import Batch
 from creditrl.core.entropy import Head
-from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, output_rows, response_log_probs
+from creditrl.workers.forward import (
+    DEFAULT_LOGITS_CHUNK_TOKENS,
+    kept_of,
+    output_rows,
+    response_log_probs,
+)
 
 __all__ = [
     "PackedSequences",
@@ -127,6 +132,7 @@ def packed_policy_forward(
         labels=packed.labels,
         head=head,
         chunk_tokens=chunk_tokens,
+        kept=kept_of(batch, packed.response_valid),
     )
 
 
@@ -140,11 +146,13 @@ def response_outputs(
     labels: torch.Tensor,
     head: Head | None = None,
     chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """From (M, D) rows, one per real response token (its ``labels`` (M,)): logits, or hidden
-    states with their ``head`` (``forward.output_rows``), the log-probs (B, T) at
-    ``temperature`` and, when asked, the entropies (B, T) (no gradient when ``entropy_grad`` is
-    False), 0 on padding columns (``layout.response_valid``)."""
+    """From (M, D) rows, one per real response token (its ``labels`` (M,), its kept-set size
+    ``kept`` (M,); None: the whole vocabulary): logits, or hidden states with their ``head``
+    (``forward.output_rows``), the log-probs (B, T) at ``temperature`` and, when asked, the
+    entropies (B, T) (no gradient when ``entropy_grad`` is False), 0 on padding columns
+    (``layout.response_valid``)."""
     return response_log_probs(
         rows,
         head,
@@ -154,6 +162,7 @@ def response_outputs(
         with_entropy,
         entropy_grad,
         chunk_tokens,
+        kept,
     )
 
 

@@ -26,7 +26,7 @@ from creditrl.models.token_tree import (
     tree_pays,
     tree_unsupported,
 )
-from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, output_rows
+from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, kept_of, output_rows
 from creditrl.workers.packing import pack, response_outputs
 
 __all__ = [
@@ -122,6 +122,7 @@ def prefix_tree_policy_forward(
         labels=tree.labels,
         head=head,
         chunk_tokens=chunk_tokens,
+        kept=kept_of(batch, tree.response_valid),
     )
 
 
