@@ -317,8 +317,8 @@ def test_an_environment_that_cannot_load_is_one_line(
     ("name", "why"),
     [
         ("raises_in_rollout", "KeyError: 'missing tool server'"),
-        ("raises_in_rubric",
-         "the environment's rubric failed: Error calling reward function fails: judge is down"),
+        ("raises_in_rubric", "the environment's rubric failed: reward function fails raised "
+         "ZeroDivisionError: judge is down"),
     ],
 )  # fmt: skip
 def test_a_failing_rollout_or_rubric_is_a_counted_fallback_episode(

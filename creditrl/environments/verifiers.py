@@ -15,8 +15,11 @@ install their programs with uv at run time, and is refused):
   recorded token ids are trained on, observations masked, drift located per trajectory);
 - score: the rubric's total is the reward, each named part a ``reward/vf_<name>_mean``
   metric. An episode whose rollout fails (an exception, or an error the environment recorded)
-  or whose rubric fails (verifiers logs a reward function's exception and scores it 0) is
-  scored ``reward.fallback_score`` and counted (``agent/episodes_error``).
+  or whose rubric fails (a reward function raised or returned no number, which verifiers
+  scores 0: ``creditrl.environments.reward_failures``) is scored ``reward.fallback_score`` and
+  counted (``agent/episodes_error``). Every episode of an environment runs its rollout on the
+  environment's one event loop (``creditrl.environments.event_loop``), so clients it made in
+  ``load_environment`` serve every step.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
+from creditrl.bounded_json import JsonLimitError, loads_bounded
 from creditrl.config.schema import Config, EnvConfig
 from creditrl.data.dataset import PromptDataset
-from creditrl.data.rows import PromptRow, parse_row
+from creditrl.data.rows import ROW_LIMITS, PromptRow, RowError, parse_row
+from creditrl.environments.event_loop import loop_of
+from creditrl.environments.reward_failures import reward_failures, watch_rubric
 from creditrl.errors import ConfigError, DataError, UserCodeError
 from creditrl.usercode import load_user_object, one_line
 
@@ -77,7 +82,6 @@ def _verifiers() -> ModuleType:
             f"env.verifiers: verifiers {version} is installed; creditrl runs the classic "
             f"environments of verifiers >=0.3,<0.4 (0.4 keeps only verifiers.v1): {INSTALL_HINT}"
         )
-    _RUBRIC_ERRORS.attach()
     return verifiers
 
 
@@ -97,7 +101,9 @@ def load_verifiers_environment(env_cfg: EnvConfig) -> Any:
         loader = load_user_object(spec, "env.verifiers")
         try:
             env = loader(**kwargs)
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # sys.exit() too: the run would end having trained nothing
             raise UserCodeError(
                 f"env.verifiers: {spec} raised {type(e).__name__}: {one_line(e, 200)} "
                 f"(called with env.kwargs {sorted(kwargs)})"
@@ -116,6 +122,7 @@ def load_verifiers_environment(env_cfg: EnvConfig) -> Any:
                 f"env.verifiers: {spec}'s rubric has group reward functions (scored over a "
                 "group of rollouts together); creditrl scores each rollout on its own"
             )
+        watch_rubric(env.rubric)
         _loaded[key] = env
         return env
 
@@ -157,17 +164,31 @@ def _rows(dataset: Any, split: str, limit: int) -> list[PromptRow]:
                 for m in prompt
             ]
         passed = {k: record[k] for k in PASSED_COLUMNS if record.get(k) is not None}
+        where = f"env.verifiers {split} row {i + 1}"
         if isinstance(passed.get("info"), str):
-            with suppress(ValueError):  # a string that is not JSON stays a string
-                passed["info"] = json.loads(passed["info"])
+            passed["info"] = _decoded_info(passed["info"], where)
         raw = {
             "prompt": prompt,
             "ground_truth": record.get("answer"),
             "data_source": DATA_SOURCE,
             "extra": {"verifiers": passed},
         }
-        rows.append(parse_row(raw, f"env.verifiers {split} row {i + 1}"))
+        rows.append(parse_row(raw, where))
     return rows
+
+
+def _decoded_info(text: str, where: str) -> Any:
+    """A row's ``info`` string decoded as JSON within data-file rows' bounds (``ROW_LIMITS``)
+    and without NaN or Infinity (the async learner refuses them); RowError past them. A string
+    that is not JSON stays a string."""
+    try:
+        return loads_bounded(text, ROW_LIMITS, allow_nan=False)
+    except JsonLimitError as e:
+        raise RowError(f"{where}: 'info' is {e}") from None
+    except json.JSONDecodeError:
+        return text
+    except ValueError as e:  # NaN, Infinity
+        raise RowError(f"{where}: 'info' holds {e}") from None
 
 
 def environment_datasets(cfg: Config, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
@@ -203,36 +224,6 @@ def environment_datasets(cfg: Config, tokenizer: Any) -> tuple[PromptDataset, Pr
     return dataset(train_rows, "train"), (dataset(val_rows, "val") if val_rows else None)
 
 
-class _RubricErrorLog(logging.Handler):
-    """Records the rubric errors verifiers logs (a reward function that raised is logged and
-    scored 0) into the sink of the thread that runs the episode."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.local = threading.local()
-
-    def attach(self) -> None:
-        logger = logging.getLogger("verifiers")  # its import resets this logger's handlers
-        if self not in logger.handlers:
-            logger.addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        sink = getattr(self.local, "sink", None)
-        if sink is not None and ".rubrics." in record.name:
-            sink.append(one_line(record.getMessage(), 300))
-
-    @contextmanager
-    def capture(self) -> Iterator[list[str]]:
-        self.local.sink = sink = []
-        try:
-            yield sink
-        finally:
-            self.local.sink = None
-
-
-_RUBRIC_ERRORS = _RubricErrorLog()
-
-
 class EnvironmentEpisodeError(RuntimeError):
     """An episode the environment could not run or score (its episode is scored as a fallback)."""
 
@@ -251,6 +242,23 @@ class VerifiersProgram:
         self.sampling_args = {k: own[k] for k in SAMPLING_KEYS if own.get(k) is not None}
 
     async def __call__(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
+        """The episode's rollout, run on the environment's event loop with a client of its
+        own there (the same trajectory, key and timeout as ``client``)."""
+        from openai import AsyncOpenAI
+
+        own = AsyncOpenAI(
+            base_url=str(client.base_url), api_key=client.api_key, max_retries=0,
+            timeout=client.timeout,
+        )  # fmt: skip
+        return await loop_of(self.env).run(self._rollout(row, own))
+
+    async def _rollout(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
+        try:
+            return await self._scored(row, client)
+        finally:
+            await client.close()
+
+    async def _scored(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
         passed = dict((row.get("extra_info") or {}).get("verifiers") or {})
         rollout_input = {
             "prompt": row["messages"],
@@ -260,7 +268,7 @@ class VerifiersProgram:
         }
         if passed.get("task") is not None:
             rollout_input["task"] = passed["task"]
-        with _RUBRIC_ERRORS.capture() as rubric_errors:
+        with reward_failures() as rubric_errors:
             output = await self.env.run_rollout(
                 rollout_input, self.client_type(client), MODEL_NAME, dict(self.sampling_args)
             )
