@@ -113,6 +113,8 @@ def _dtype(spec: fields.FieldSpec) -> torch.dtype:
 
 _MAX_COUNT = 1 << 20  # turn numbers and counts: small non-negative integers
 _MAX_LOG_PROB = 1e-3  # log-probs are <= 0; a little slack for rounding
+# and no sampled token is that unlikely; float32 sums of -3e38 overflow (every update skipped)
+_MIN_LOG_PROB = -1e4
 _MAX_SCORE = 1e9  # larger rewards overflow float32 statistics (squares in the group std)
 # memory of a decoded group beyond its tensors' and its JSON's bytes: the Batch, its TensorDict,
 # the tensor and numpy objects (measured: about 8 KiB; tests/test_async_hardening.py)
@@ -225,6 +227,8 @@ def _check_tensors(group: Batch, where: str) -> None:
             raise MessageError(f"{where}: {name} holds non-finite values", "non_finite")
         if kind == "log_prob" and bool((x > _MAX_LOG_PROB).any()):
             raise MessageError(f"{where}: {name} holds log-probs above 0", "value")
+        if kind == "log_prob" and bool((x < _MIN_LOG_PROB).any()):
+            raise MessageError(f"{where}: {name} holds log-probs below {_MIN_LOG_PROB:g}", "value")
         if kind == "score" and bool((x.abs() > _MAX_SCORE).any()):
             raise MessageError(f"{where}: {name} holds values beyond +-{_MAX_SCORE:g}", "value")
         if kind == "count" and not bool(((x >= 0) & (x <= _MAX_COUNT)).all()):

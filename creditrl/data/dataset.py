@@ -54,7 +54,9 @@ class PromptDataset:
     ``index`` (position in this dataset) and ``source`` (file and row, for humans); with a
     ``teacher_prompt`` other than ``same`` (``creditrl.data.teacher``), also
     ``teacher_prompt_ids``: the distillation teacher's chat-templated prompt, held to the same
-    ``max_prompt_length`` (a row whose teacher prompt is longer is dropped or raises likewise).
+    ``max_prompt_length`` (a row whose teacher prompt is longer is dropped or raises likewise);
+    a row with nothing privileged to show (``teacher_messages`` None: no ground truth) gets the
+    student's prompt ids there, counted in ``num_unprivileged`` and logged.
 
     Prompts longer than ``max_prompt_length`` tokens are dropped and counted
     (``num_dropped_overlong``, logged) or, with ``overlong_prompt="raise"``, raise DataError
@@ -92,6 +94,7 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.num_dropped_overlong = 0
         self.num_dropped_overlap = 0
+        self.num_unprivileged = 0
         self._rows: list[dict[str, Any]] = []
         shortest_overlong: int | None = None
         most_chars = max_prompt_length * max_token_chars(tokenizer)
@@ -122,10 +125,12 @@ class PromptDataset:
                 self.num_dropped_overlong += 1
                 shortest_overlong = min(len(ids), shortest_overlong or len(ids))
                 continue
-            teacher = teacher_messages(row, teacher_prompt)
             extra: dict[str, Any] = {}
-            if teacher is not None:
-                extra["teacher_prompt_ids"] = chat_prompt_ids(tokenizer, teacher)
+            if teacher_prompt != "same":
+                teacher = teacher_messages(row, teacher_prompt)
+                self.num_unprivileged += teacher is None
+                teacher_ids = ids if teacher is None else chat_prompt_ids(tokenizer, teacher)
+                extra["teacher_prompt_ids"] = teacher_ids
                 if len(extra["teacher_prompt_ids"]) > max_prompt_length:
                     if overlong_prompt == "raise":
                         raise DataError(
@@ -155,6 +160,15 @@ class PromptDataset:
                 self.num_dropped_overlong,
                 len(rows),
                 max_prompt_length,
+            )
+        if self.num_unprivileged:
+            logger.warning(
+                "%s: %d of %d rows have no ground truth (null or empty): the distillation "
+                "teacher sees the student's prompt for them (distill.teacher_prompt=%s)",
+                split,
+                self.num_unprivileged,
+                len(rows),
+                teacher_prompt,
             )
         if not rows:
             raise DataError(f"{origin or split}: no prompts")

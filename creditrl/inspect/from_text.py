@@ -72,7 +72,8 @@ def _teacher_log_probs(
         teacher_ids = chat_prompt_ids(tokenizer, teacher_messages(row, kind) or messages)
         seen = "the prompt with the ground truth added"
     rows = build_batch([teacher_ids] * len(response_ids), response_ids, tokenizer.pad_token_id)
-    log_probs = compute_log_probs(load_teacher(cfg), rows, cfg)[0].double()
+    teacher = load_teacher(cfg, len(tokenizer))
+    log_probs = compute_log_probs(teacher, rows, cfg)[0].double()
     return log_probs, f"teacher {cfg.distill.teacher!r} (teacher_prompt={kind}) sees {seen}"
 
 

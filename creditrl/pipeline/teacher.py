@@ -4,7 +4,9 @@
 model directory (``config.json``); or a run directory or one of its checkpoints, whose actor is
 rebuilt from the run's ``config.yaml`` (read as data: nothing it names is imported) and given
 the checkpoint's weights (LoRA adapters merged). The teacher's tokenizer must be the student's:
-``creditrl.config.validate`` refuses another vocabulary when the config is loaded.
+``creditrl.config.validate`` refuses another vocabulary when the config is loaded; and its
+embedding must take every token id the student can sample (a smaller ``vocab_size`` with the
+same tokenizer files is refused here, when it is loaded).
 """
 
 from __future__ import annotations
@@ -37,18 +39,25 @@ def _run_actor(path: Path) -> torch.nn.Module:
     return model
 
 
-def load_teacher(cfg: Config) -> torch.nn.Module:
+def load_teacher(cfg: Config, vocab_size: int) -> torch.nn.Module:
     """The frozen teacher ``distill.teacher`` names, in ``model.dtype``, eval mode and
-    ``requires_grad=False``; a one-line ``ConfigError`` when nothing can be loaded from it."""
+    ``requires_grad=False``; a one-line ``ConfigError`` when nothing can be loaded from it, or
+    when it embeds fewer than ``vocab_size`` token ids (those the student can sample)."""
     teacher = cfg.distill.teacher
     if teacher is None:
         raise ConfigError("distill.teacher is not set: this run has no teacher")
     if teacher in ("self", "embedded"):
         source = cfg.model.path if teacher == "self" else "embedded"
-        return load_reference(source, cfg.model.dtype, cfg.model.cache_dir)
-    path = Path(teacher).expanduser()
-    if is_run_or_checkpoint(path):
+        model = load_reference(source, cfg.model.dtype, cfg.model.cache_dir)
+    elif is_run_or_checkpoint(path := Path(teacher).expanduser()):
         model = _run_actor(path).to(torch_dtype(cfg.model.dtype))
     else:
         model = load_reference(path, cfg.model.dtype)
+    embeds = model.get_input_embeddings().num_embeddings
+    if embeds < vocab_size:
+        raise ConfigError(
+            f"distill.teacher={teacher!r} embeds {embeds} token ids, fewer than the "
+            f"{vocab_size} the student (model.path) can sample: the teacher scores the "
+            "student's token ids, so it needs at least the student's vocabulary size"
+        )
     return model.requires_grad_(False).eval()

@@ -224,7 +224,9 @@ class HybridWorker:
         if self.cfg.distill.teacher == "self" and shares:
             self.teacher = self.ref
             return
-        self.teacher = self._frozen(load_teacher(self.cfg))
+        student = self.actor.model if self.actor is not None else self.policy
+        sampled = 0 if student is None else student.get_input_embeddings().num_embeddings
+        self.teacher = self._frozen(load_teacher(self.cfg, max(sampled, len(self.tokenizer))))
 
     def _build_rollout(self) -> None:
         cfg = self.cfg
