@@ -304,11 +304,11 @@ def check_sampling_replay(cfg: RolloutConfig) -> None:
 
 def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
     """The engine ``args.cfg.engine`` names, built from ``args`` (checked first with
-    ``check_rollout_engine`` and ``check_sampling_replay``); UserCodeError if what it builds
+    ``check_sampling_replay`` and ``check_rollout_engine``); UserCodeError if what it builds
     lacks part of the interface."""
     name = args.cfg.engine
-    check_rollout_engine(name)
     check_sampling_replay(args.cfg)
+    check_rollout_engine(name)
     entry = _entry(name)
     subclass = isinstance(entry, type) and issubclass(entry, RolloutEngine)
     builder = entry.from_args if subclass else entry

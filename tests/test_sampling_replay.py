@@ -1,0 +1,223 @@
+"""Sampling replay (issue 42): the sampler records each token's top-k/top-p/min-p kept-set size
+(``rollout_kept_counts``) and every log-prob stage renormalises over the set it rebuilds, so
+truncated-sampling runs train the policy that sampled. Float32, CPU, the tiny random Llama."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import PROMPTS, prompt_batch, tiny_hf_engine
+
+from creditrl.config import ActorConfig, load_config
+from creditrl.core.entropy import kept_set_mask, token_log_probs
+from creditrl.errors import ConfigError
+from creditrl.models.loading import apply_lora
+from creditrl.rollout import (
+    EngineArgs,
+    build_rollout_engine,
+    check_sampling_replay,
+    filter_logits,
+    kept_sets_recorded,
+    rollout_log_probs_are_actors,
+    sample_next_tokens,
+)
+from creditrl.rollout.sampling import kept_counts
+from creditrl.workers.actor import ActorWorker
+
+GRID = list(itertools.product([0.7, 1.0], [-1, 20], [1.0, 0.9], [0.0, 0.05]))
+# |log p| of the tiny model's tokens is at most ~15 (log 49152 / 0.7): float32 spacing there
+# is 9.5e-7, and the sampler's decode-path logits and the training forward (a prefix tree on
+# the CPU) each round differently; 3e-5 is ~30 ulps, far below any effect of a wrong kept set
+# (one token of a 20-token set moves a log-prob by ~1e-2; a sampled token outside it by inf)
+LOG_PROB_ATOL = 3e-5
+
+
+# ---- the sampler's kept set -----------------------------------------------------------------
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_top_one():
+    logits = torch.tensor([[0.0, -1.0, -3.0, -4.0]])  # p_v / p_max = 1, e^-1, e^-3, e^-4
+    assert torch.isinf(filter_logits(logits, min_p=0.1)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, min_p=0.04)).tolist() == [[False, False, False, True]]
+    assert torch.equal(filter_logits(logits, min_p=0.0), logits)
+    with pytest.raises(ValueError, match="min_p"):
+        filter_logits(logits, min_p=1.5)
+
+
+def test_every_cut_keeps_ties_at_its_boundary():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    # p = 0.534, 0.196, 0.196, 0.072: top-p 0.6 needs the first 1.0, and keeps its tie
+    assert kept_counts(filter_logits(logits, top_p=0.6)).tolist() == [3]
+    assert kept_counts(filter_logits(logits, top_k=2)).tolist() == [3]
+    assert kept_counts(filter_logits(logits, top_p=0.4)).tolist() == [1]
+
+
+def test_greedy_records_the_whole_vocabulary():
+    *_, kept = sample_next_tokens(torch.randn(3, 7), greedy=True, with_kept=True)
+    assert kept.tolist() == [0, 0, 0]
+    assert len(sample_next_tokens(torch.randn(3, 7), greedy=True)) == 2  # the default is a pair
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", GRID)
+def test_the_kept_set_is_rebuilt_exactly_from_its_size(temperature, top_k, top_p, min_p):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    logits[:8, 10:14] = logits[:8, 20:21]  # exact ties
+    tokens, log_probs, kept = sample_next_tokens(
+        logits,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generator=gen,
+        with_kept=True,
+    )
+    z = logits / temperature
+    sampler_set = torch.isfinite(filter_logits(z, top_k, top_p, min_p))
+    rebuilt = kept_set_mask(z, kept, tokens)
+    if bool((kept == 300).all()):  # nothing was cut: no mask at all
+        assert rebuilt is None
+    else:
+        assert torch.equal(rebuilt, sampler_set)
+    replayed, _ = token_log_probs(logits, tokens, temperature=temperature, kept=kept)
+    torch.testing.assert_close(replayed, log_probs, atol=2e-6, rtol=0)
+
+
+def test_the_kept_set_and_the_entropy_over_it():
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    assert kept_set_mask(z, torch.tensor([2]), torch.tensor([0])).tolist() == [
+        [True, True, False, False, False]
+    ]
+    # the sampled token is always in the set, even if float noise put it just below the cut
+    assert kept_set_mask(z, torch.tensor([2]), torch.tensor([3])).tolist() == [
+        [True, True, False, True, False]
+    ]
+    assert kept_set_mask(z, torch.tensor([0]), torch.tensor([0])) is None  # 0: no cut
+    assert kept_set_mask(z, torch.tensor([5]), torch.tensor([0])) is None  # all V kept
+    log_prob, entropy = token_log_probs(
+        z, torch.tensor([1]), kept=torch.tensor([2]), with_entropy=True
+    )
+    p = torch.softmax(torch.tensor([3.0, 2.0]), 0)  # renormalised over the two kept tokens
+    torch.testing.assert_close(log_prob, p[1:].log())
+    torch.testing.assert_close(entropy, -(p * p.log()).sum()[None])
+
+
+def test_chunked_replay_equals_one_pass_with_gradients():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 8, generator=gen)
+    head = torch.nn.Linear(8, 50, bias=False)
+    labels = torch.randint(0, 50, (10,), generator=gen)
+    kept = torch.tensor([0, 3, 50, 7, 1, 12, 2, 49, 5, 9])
+    with torch.no_grad():
+        labels[1] = torch.topk(head(hidden[1]), 3).indices[-1]  # a token inside its set
+    outs = []
+    for chunk in (0, 3):
+        head.zero_grad()
+        lp, ent = token_log_probs(
+            hidden, labels, head=head, kept=kept, chunk_tokens=chunk, with_entropy=True
+        )
+        (lp.sum() + ent.sum()).backward()
+        outs.append((lp.detach(), ent.detach(), head.weight.grad.clone()))
+        assert torch.isfinite(lp).all() and torch.isfinite(head.weight.grad).all()
+    for one, chunked in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(one, chunked)
+
+
+# ---- the training forward replays what the engine sampled -----------------------------------
+
+
+def _first_update_log_probs(worker: ActorWorker, batch, temperature: float) -> torch.Tensor:
+    """The log-probs the update's first forward computes (before any optimizer step)."""
+    seen: list[torch.Tensor] = []
+    forward = worker._forward
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(out[0].detach())
+        return out
+
+    worker._forward = spy
+    worker.update_policy(batch, temperature, n_per_prompt=1)
+    return seen[0]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", GRID)
+def test_sampled_log_probs_are_the_training_forwards(
+    model, tokenizer, temperature, top_k, top_p, min_p
+):
+    """Acceptance: over temperature x top_k x top_p x min_p, the engine's rollout_log_probs
+    equal the actor's (old) log-probs to float precision and the first update's ratio
+    new/old is 1 within 1e-6 (fp32, CPU)."""
+    engine = tiny_hf_engine(
+        model, tokenizer, top_k=top_k, top_p=top_p, min_p=min_p, seed=5,
+        eos_token_ids=list(range(0, 49152, 8)),
+    )  # fmt: skip
+    out = engine.generate(prompt_batch(PROMPTS), temperature=temperature)
+    truncated = top_k > 0 or top_p < 1 or min_p > 0
+    assert ("rollout_kept_counts" in out) == truncated
+    valid = out["response_mask"].bool()
+    actor = copy.deepcopy(model)
+    size = len(out)
+    cfg = ActorConfig(
+        autocast="none", ppo_mini_batch_size=size, ppo_micro_batch_size=size,
+        log_prob_micro_batch_size=size, shuffle=False,
+    )  # fmt: skip
+    worker = ActorWorker(actor, cfg)
+    old, _ = worker.compute_log_prob(out, temperature)
+    assert (old - out["rollout_log_probs"]).abs()[valid].max() < LOG_PROB_ATOL
+    out["old_log_probs"] = old
+    out["advantages"] = torch.linspace(-1, 1, size)[:, None] * out["response_mask"]
+    new = _first_update_log_probs(worker, out, temperature)
+    ratio = torch.exp(new - old)[valid]
+    assert (ratio - 1).abs().max() < 1e-6
+
+
+def test_without_replay_the_log_probs_are_another_distributions(model, tokenizer):
+    """rollout.sampling_replay=false (today's behaviour, biased): nothing is recorded and the
+    training forward's log-probs are over the whole vocabulary, far from the sampler's."""
+    engine = tiny_hf_engine(model, tokenizer, top_k=20, sampling_replay=False, seed=5)
+    out = engine.generate(prompt_batch(PROMPTS), temperature=1.0)
+    assert "rollout_kept_counts" not in out
+    old, _ = ActorWorker(model, ActorConfig(autocast="none"), trainable=False).compute_log_prob(
+        out, 1.0
+    )
+    valid = out["response_mask"].bool()
+    assert (out["rollout_log_probs"] - old)[valid].min() > 1.0  # log(49152 / 20) ~ 7.8 here
+
+
+def test_lora_actors_replay_too(model, tokenizer):
+    lora = apply_lora(copy.deepcopy(model), rank=4, alpha=8)
+    with torch.no_grad():  # adapters that change the policy (B starts at 0)
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    engine = tiny_hf_engine(lora, tokenizer, top_p=0.9, min_p=0.05, seed=2)
+    out = engine.generate(prompt_batch(PROMPTS, repeat=2), temperature=0.7)
+    worker = ActorWorker(lora, ActorConfig(autocast="none"), trainable=False)
+    old, _ = worker.compute_log_prob(out, 0.7)
+    valid = out["response_mask"].bool()
+    assert (old - out["rollout_log_probs"]).abs()[valid].max() < LOG_PROB_ATOL
+
+
+# ---- who replays: the key, the engines' declarations ----------------------------------------
+
+
+def test_replay_is_the_default_and_makes_rollout_log_probs_the_actors():
+    assert rollout_log_probs_are_actors(load_config(overrides=["rollout.top_p=0.9"]))
+    assert kept_sets_recorded(load_config(overrides=["rollout.min_p=0.05"]))
+    off = load_config(overrides=["rollout.top_k=20", "rollout.sampling_replay=false"])
+    assert not rollout_log_probs_are_actors(off) and not kept_sets_recorded(off)
+    assert not kept_sets_recorded(load_config())  # nothing cut: nothing to record
+
+
+def test_an_engine_that_cannot_record_is_refused_in_one_line(tokenizer):
+    cfg = load_config(overrides=["rollout.engine=vllm", "rollout.top_p=0.9"]).rollout
+    with pytest.raises(ConfigError, match="sampling_replay=false") as e:
+        build_rollout_engine(EngineArgs(cfg=cfg, tokenizer=tokenizer, model_path="."))
+    assert "\n" not in str(e.value) and "rollout.engine=vllm" in str(e.value)
+    check_sampling_replay(replace(cfg, top_p=1.0))  # nothing cut: nothing to replay
+    check_sampling_replay(replace(cfg, sampling_replay=False))  # today's, biased
