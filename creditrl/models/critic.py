@@ -34,11 +34,22 @@ class CriticModel(nn.Module):
     depend on a random seed, while the head still gets a gradient at once (dL/dw = h * dL/dV);
     the backbone receives gradient from the second update on (TRL and verl use a small random
     init instead; with a random head the first advantages are noise of the head's scale).
+
+    ``autocast``: 'bf16' runs the backbone under bfloat16 autocast on its device (the update's
+    precision, ``Placement.autocast``; the head stays float32 outside it), 'none' in its dtype.
     """
 
-    def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear | None = None) -> None:
+    def __init__(
+        self,
+        backbone: PreTrainedModel,
+        value_head: nn.Linear | None = None,
+        autocast: str = "none",
+    ) -> None:
         super().__init__()
+        if autocast not in ("bf16", "none"):
+            raise ValueError(f"autocast must be 'bf16' or 'none', got {autocast!r}")
         self.backbone = backbone
+        self.autocast = autocast
         if value_head is None:
             value_head = nn.Linear(backbone.config.hidden_size, 1, dtype=torch.float32)
             nn.init.zeros_(value_head.weight)
@@ -52,12 +63,14 @@ class CriticModel(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Values (B, L) float32, one per input position."""
-        hidden = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast == "bf16"):
+            hidden = self.backbone(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).last_hidden_state
         return self.value_head(hidden.float()).squeeze(-1)
 
     @classmethod
@@ -68,11 +81,12 @@ class CriticModel(nn.Module):
         cache_dir: str | None = None,
         gradient_checkpointing: bool = False,
         attn_implementation: str = ATTN_IMPLEMENTATION,
+        autocast: str = "none",
     ) -> CriticModel:
         """Backbone from a causal-LM directory (or ``"embedded"``), zero value head."""
         directory = resolve_model_path(path, cache_dir)
         backbone = from_local(AutoModel, directory, torch_dtype(dtype), attn_implementation)
-        return cls._finish(backbone, None, gradient_checkpointing)
+        return cls._finish(backbone, None, gradient_checkpointing, autocast)
 
     @classmethod
     def load(
@@ -81,6 +95,7 @@ class CriticModel(nn.Module):
         dtype: str | torch.dtype = "float32",
         gradient_checkpointing: bool = False,
         attn_implementation: str = ATTN_IMPLEMENTATION,
+        autocast: str = "none",
     ) -> CriticModel:
         """A critic written by :meth:`save` (backbone directory + ``value_head.safetensors``)."""
         directory = local_model_dir(directory)
@@ -94,15 +109,19 @@ class CriticModel(nn.Module):
         tensors = load_file(str(head_file))
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=torch.float32)
         head.load_state_dict({"weight": tensors["weight"], "bias": tensors["bias"]})
-        return cls._finish(backbone, head, gradient_checkpointing)
+        return cls._finish(backbone, head, gradient_checkpointing, autocast)
 
     @classmethod
     def _finish(
-        cls, backbone: PreTrainedModel, head: nn.Linear | None, gradient_checkpointing: bool
+        cls,
+        backbone: PreTrainedModel,
+        head: nn.Linear | None,
+        gradient_checkpointing: bool,
+        autocast: str,
     ) -> CriticModel:
         if gradient_checkpointing:
             enable_checkpointing(backbone)
-        return cls(backbone, head)
+        return cls(backbone, head, autocast)
 
     def save(self, directory: str | Path) -> Path:
         """Write the backbone (save_pretrained, safetensors) and the head

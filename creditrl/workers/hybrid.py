@@ -43,7 +43,7 @@ from creditrl.models import (
 from creditrl.pipeline.plan import Plan
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.rollout.strategies import build_rollout
-from creditrl.tracking.mfu import device_peak_flops, mfu_metrics
+from creditrl.tracking.mfu import device_peak_flops, mfu_metrics, parameter_counts
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
@@ -264,7 +264,8 @@ class HybridWorker:
     def _build_critic(self) -> None:
         cfg = self.cfg
         path = resolve_model_path(cfg.model.critic_path or cfg.model.path, cfg.model.cache_dir)
-        model = self._placed(CriticModel.from_actor(path, cfg.model.dtype))
+        critic = CriticModel.from_actor(path, cfg.model.dtype, autocast=self.placement.autocast)
+        model = self._placed(critic)
         self._shard(model)
         critic_cfg, self.critic_n = self._actor_cfg(cfg.critic, "critic")
         self.critic = CriticWorker(
@@ -370,9 +371,9 @@ class HybridWorker:
         seconds = time.perf_counter() - start
         self.sync_rollout_weights()
         tokens = int(batch["attention_mask"].sum()) * self.cfg.actor.ppo_epochs
-        params = sum(p.numel() for p in self.actor.model.parameters())
+        params, trained = parameter_counts(self.actor.model)
         peak = device_peak_flops(self.placement.device, self.cfg.trainer.device_peak_tflops)
-        mfu = mfu_metrics(params, tokens, seconds, peak)
+        mfu = mfu_metrics(params, tokens, seconds, peak, trained)
         return {**_reduce(metrics), **self.memory.metrics(), **mfu}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
