@@ -39,8 +39,10 @@ def test_the_registry_lists_the_strategies_and_what_each_declares() -> None:
     assert traits == {
         "single_turn": StrategyTraits(),
         "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True),
-        "agent_program": StrategyTraits(multi_turn=True, runs_program=True),
-        "verifiers": StrategyTraits(multi_turn=True, runs_program=True),
+        "agent_program": StrategyTraits(
+            multi_turn=True, runs_program=True, needs=("agent.program",)
+        ),
+        "verifiers": StrategyTraits(multi_turn=True, runs_program=True, needs=("env.verifiers",)),
     }
 
 
@@ -126,8 +128,24 @@ def test_a_registered_strategy_is_chosen_by_rollout_strategy(tmp_path: Path) -> 
     finally:
         trainer.close()
     with pytest.raises(ConfigError, match=r"rollout.strategy='nope' is not a registered .*"
-                                          r"agent_loop, agent_program, single_turn"):  # fmt: skip
+                                          r"agent_loop, agent_program, .*single_turn"):  # fmt: skip
         load_config(overrides=["rollout.strategy=nope"])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key"), [("agent_program", "agent.program"), ("verifiers", "env.verifiers")]
+)
+def test_a_strategy_without_the_key_it_runs_is_one_line_at_config_load(
+    strategy: str, key: str
+) -> None:
+    """rollout.strategy=agent_program without agent.program (verifiers without env.verifiers)
+    was a ValueError traceback when the rollout was built; the strategy's entry declares the
+    keys it needs and the config is refused at load, in one line naming both."""
+    with pytest.raises(ConfigError) as raised:
+        load_config(overrides=[f"rollout.strategy={strategy}"])
+    message = str(raised.value)
+    assert "\n" not in message and f"rollout.strategy={strategy}" in message
+    assert f"needs {key}" in message
 
 
 def _agent_key_reads(tree: ast.AST) -> list[int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from creditrl.config.fields import value_at
 from creditrl.config.schema import Config
 from creditrl.core.registry import Registry
 from creditrl.errors import ConfigError
@@ -49,12 +50,15 @@ class StrategyTraits:
     - ``uses_tools``: it runs creditrl's tools (``agent.tools``, ``agent.tool_config``) and
       the built-in loop's settings, scored by ``agent.reward_manager``;
     - ``runs_program``: it runs user code through the endpoint (``agent.program`` or an
-      environment's rollout; the endpoint's settings apply).
+      environment's rollout; the endpoint's settings apply);
+    - ``needs``: the settings (dotted keys) it cannot run without; choosing it with one unset
+      is refused at config load.
     """
 
     multi_turn: bool = False
     uses_tools: bool = False
     runs_program: bool = False
+    needs: tuple[str, ...] = ()
 
 
 def register_rollout_strategy(
@@ -84,21 +88,25 @@ def _agent_loop(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     return AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout)
 
 
-@_register("agent_program", StrategyTraits(multi_turn=True, runs_program=True))
+@_register(
+    "agent_program", StrategyTraits(multi_turn=True, runs_program=True, needs=("agent.program",))
+)
 def _agent_program(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.agents.program import ProgramRollout
 
     return ProgramRollout.for_run(engine, tokenizer, cfg)
 
 
-@_register("verifiers", StrategyTraits(multi_turn=True, runs_program=True))
+@_register(
+    "verifiers", StrategyTraits(multi_turn=True, runs_program=True, needs=("env.verifiers",))
+)
 def _verifiers(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.environments.verifiers import build_verifiers_rollout
 
     return build_verifiers_rollout(engine, tokenizer, cfg)
 
 
-@_register("openenv", StrategyTraits(multi_turn=True, runs_program=True))
+@_register("openenv", StrategyTraits(multi_turn=True, runs_program=True, needs=("env.openenv",)))
 def _openenv(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.environments.openenv import build_openenv_rollout
 
@@ -107,10 +115,10 @@ def _openenv(engine: Any, tokenizer: Any, cfg: Config) -> Any:
 
 def rollout_strategy(cfg: Config) -> str:
     """The entry ``cfg`` selects: ``rollout.strategy`` when set (a ConfigError naming the
-    choices when nothing is registered under it), else ``openenv`` when ``env.openenv`` is set,
-    ``verifiers`` when ``env.verifiers`` is set, ``agent_program`` when ``agent.program`` is set
-    (with or without ``agent.enable``), ``agent_loop`` when ``agent.enable``, else
-    ``single_turn``."""
+    choices when nothing is registered under it, or a setting it ``needs`` unset), else
+    ``openenv`` when ``env.openenv`` is set, ``verifiers`` when ``env.verifiers`` is set,
+    ``agent_program`` when ``agent.program`` is set (with or without ``agent.enable``),
+    ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
     chosen = cfg.rollout.strategy
     if chosen is not None:
         if chosen not in ROLLOUT_STRATEGIES:
@@ -118,6 +126,12 @@ def rollout_strategy(cfg: Config) -> str:
                 f"rollout.strategy={chosen!r:.80} is not a registered rollout strategy; choose "
                 f"one of {', '.join(ROLLOUT_STRATEGIES.names())} (or null)"
             )
+        for key in ROLLOUT_STRATEGIES.info(chosen)["traits"].needs:
+            if value_at(cfg, key) is None:
+                raise ConfigError(
+                    f"rollout.strategy={chosen} needs {key}, which is not set; set {key}, or "
+                    "leave rollout.strategy null to choose by the agent and env keys"
+                )
         return chosen
     if cfg.env.openenv is not None:
         other = "env.verifiers" if cfg.env.verifiers is not None else "agent.program"
