@@ -303,3 +303,27 @@ def test_each_rank_takes_its_local_gpu(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # Ray left every GPU visible: its id is the index
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert placement.local_gpu_index() == 6
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_binds_the_process_group_to_the_rank_gpu(monkeypatch, backend: str) -> None:
+    """Under NCCL the rank's GPU becomes current and goes to init_process_group as
+    device_id (the communicator bound to it at once); gloo gets none; NCCL without a CUDA
+    device is refused."""
+    import torch.distributed as dist
+
+    from creditrl.workers import distributed
+
+    calls: dict = {}
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: "store")
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(current=device))
+    gpu = torch.device("cuda", 1)
+    distributed.init_process_group(1, 2, backend=backend, device=gpu, master_port=29999)
+    if backend == "nccl":
+        assert calls["device_id"] == gpu and calls["current"] == gpu
+    else:
+        assert calls["device_id"] is None and "current" not in calls
+    if backend == "nccl":
+        with pytest.raises(ValueError, match="NCCL process group needs this rank's CUDA device"):
+            distributed.init_process_group(1, 2, backend="nccl", master_port=29999)

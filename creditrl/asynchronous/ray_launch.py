@@ -97,10 +97,12 @@ class AsyncActor:
 
         a = cfg.asynchronous
         if a.learners > 1:
+            placement = placement_for(cfg)
             init_process_group(
                 self.index,
                 a.learners,
-                backend=placement_for(cfg).backend,
+                backend=placement.backend,
+                device=placement.device,
                 master_addr=a.host,
                 master_port=a.dist_port,
                 timeout_s=a.data_timeout_s + 60.0,

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]learner:[/red] --rank {args.rank} not in [0, {world})")
             return 2
         os.environ.setdefault("LOCAL_RANK", str(args.rank))  # rank r: this machine's GPU r
-        backend = placement_for(cfg).backend  # CUDA asked for and not here: one line
+        placement = placement_for(cfg)  # CUDA asked for and not here: one line
     except UserError as err:
         console.print("[red]error:[/red]", as_text(err))
         return 2
@@ -38,7 +38,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             init_process_group(
                 args.rank,
                 world,
-                backend=backend,
+                backend=placement.backend,
+                device=placement.device,
                 master_port=cfg.asynchronous.dist_port,
                 timeout_s=cfg.asynchronous.data_timeout_s + 60.0,
             )

@@ -95,10 +95,12 @@ class RankActor:
         from creditrl.workers.placement import placement_for
 
         trainer = self.cfg.trainer
+        placement = placement_for(self.cfg)
         init_process_group(
             self.rank,
             self.world,
-            backend=placement_for(self.cfg).backend,
+            backend=placement.backend,
+            device=placement.device,
             master_addr=master_addr,
             master_port=master_port,
             timeout_s=trainer.collective_timeout_s,

@@ -74,6 +74,7 @@ def init_process_group(
     world_size: int,
     *,
     backend: str = "gloo",
+    device: torch.device | None = None,
     master_addr: str | None = None,
     master_port: int,
     timeout_s: float = 60.0,
@@ -81,12 +82,21 @@ def init_process_group(
     """Join the default process group through a TCP store at ``master_addr:master_port``
     (None: ``$MASTER_ADDR``, else 127.0.0.1). ``backend`` is ``gloo`` on CPU, ``nccl`` on GPU
     (``Placement.backend``); collectives then take their tensors on ``collective_device()``.
+    Under NCCL ``device`` (this rank's GPU, ``Placement.device``; required) becomes the current
+    CUDA device and is passed as ``device_id``, which binds the communicator to it at once
+    instead of guessing from the current device at the first collective.
 
     On a loopback address nothing listens beyond this machine: rank 0 opens the store's
     listening socket on that address itself (torch's store would listen on every interface),
     and gloo and NCCL use the loopback interface (``GLOO_SOCKET_IFNAME`` /
     ``NCCL_SOCKET_IFNAME``, unless already set). Any other address is torch's multi-node
     set-up, unchanged."""
+    device_id = None
+    if backend == "nccl":
+        if device is None or device.type != "cuda":
+            raise ValueError(f"an NCCL process group needs this rank's CUDA device, got {device}")
+        torch.cuda.set_device(device)
+        device_id = device
     host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     if host == "localhost":
         host = "127.0.0.1"
@@ -110,7 +120,12 @@ def init_process_group(
         master_listen_fd=listen_fd,
     )
     dist.init_process_group(
-        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        backend=backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
     )
 
 
