@@ -4,14 +4,21 @@ that blocks (``time.sleep``, the synchronous OpenAI client, blocking I/O) or mis
 stop the endpoint's server or the other episodes.
 
 ``EpisodeRun.run(turns)`` runs in the caller's thread (the engine's): it starts the episodes,
-serves their turn requests (the engine runs once every running episode waits for one, or once
-a request has waited ``BATCH_WAIT_S``, so an episode that blocks or works long between turns
-holds the others back that long at most; requests in episode order, each with its sample's own
-seed where the batch has ``sample_seed``) and returns one
+serves their turn requests (when nothing is being generated, the engine runs once every
+running episode waits for one, or once a request has waited ``BATCH_WAIT_S``, so an episode
+that blocks or works long between turns holds the others back that long at most; requests in
+episode order, each with its sample's own seed where the batch has ``sample_seed``) and
+returns one
 ``(status, value)`` per episode: "ok" (value: what the program returned), "error" (an
 Exception), "exit" (SystemExit), "interrupted" (KeyboardInterrupt), "cancelled" (a
 CancelledError of the program's own), "timeout", or "not_started" (see below); the value of
 the others is a one-line reason.
+
+Continuous batching: with a turn generator whose ``chunk_tokens`` > 0, each engine call
+samples at most that many tokens per turn; a turn that goes on stays in the running batch, its
+KV kept, and the requests that arrived meanwhile join it at the next call, so an episode whose
+turn ended does not wait for the longest turn of the others before its next one starts. The
+tokens and log-probs are those of whole turns: each row continues its own seed's stream.
 
 Timeouts: the program runs under ``asyncio.wait_for(timeout_s)``. An episode still running
 ``GRACE_S`` after its timeout (it blocks its thread, or it caught the cancellation) is
@@ -26,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from creditrl.rollout.continuation import TurnGenerator, TurnOutput, TurnRequest
@@ -104,6 +112,27 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
         log.debug("closing an episode's event loop: %s", _describe(e))
     finally:
         loop.close()
+
+
+@dataclass
+class _Turn:
+    """A turn being generated: its request, what it has sampled so far, its answer's future."""
+
+    index: int
+    request: TurnRequest
+    future: concurrent.futures.Future[TurnOutput]
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+    def next_request(self) -> TurnRequest:
+        """The request that continues this turn from what it has sampled."""
+        r = self.request
+        if not self.ids:
+            return r
+        return dataclasses.replace(
+            r, ids=r.ids + self.ids, max_new_tokens=r.max_new_tokens - len(self.ids),
+            sampled=len(self.ids),
+        )  # fmt: skip
 
 
 @dataclass
@@ -245,48 +274,64 @@ class EpisodeRun:
     # ---- the engine's side ---------------------------------------------------------------
 
     def run(self, turns: TurnGenerator) -> list[Outcome]:
-        """Run every episode; serve their turns from ``turns`` each time every running
-        episode waits; one (status, value) per episode."""
+        """Run every episode; serve their turns from ``turns`` (module docstring); one
+        (status, value) per episode."""
+        going: list[_Turn] = []  # turns continued in the next call (chunked generation)
         try:
             while True:
                 with self.cond:
                     now = time.monotonic()
                     self._abandon_overdue(now)
                     self._start_more()
+                    going = [t for t in going if self._still_wanted(t)]
                     if not self.running and self.started >= self.size:
                         return [o or ("error", "no outcome") for o in self.outcomes]
                     due = self.oldest + BATCH_WAIT_S
-                    if not self.pending or (len(self.pending) < len(self.running) and now < due):
+                    waiting = len(self.pending) < len(self.running) and now < due
+                    if not going and (not self.pending or waiting):
                         soonest = min(ep.deadline for ep in self.running.values())
                         if self.pending:
                             soonest = min(soonest, due)
                         self.cond.wait(timeout=max(soonest - now, 0.01))
                         continue
-                    batch = sorted(self.pending, key=lambda item: (item[0], item[1].turn))
+                    arrived = [_Turn(i, request, future) for i, request, future in self.pending]
                     self.pending = []
-                self._generate(turns, batch)
+                batch = sorted(going + arrived, key=lambda t: (t.index, t.request.turn))
+                going = self._generate(turns, batch)
         finally:
             with self.cond:
                 for ep in list(self.running.values()):
                     self._abandon(ep, ("error", "the run ended while the episode ran"))
 
-    def _generate(
-        self,
-        turns: TurnGenerator,
-        batch: list[tuple[int, TurnRequest, concurrent.futures.Future[TurnOutput]]],
-    ) -> None:
+    def _still_wanted(self, turn: _Turn) -> bool:
+        """Whether a turn being generated still has an episode to answer (``cond`` held)."""
+        if turn.index in self.running and not turn.future.cancelled():
+            return True
+        _settle(turn.future, error=EpisodeEnded(f"episode {turn.index} has ended"))
+        return False
+
+    def _generate(self, turns: TurnGenerator, batch: list[_Turn]) -> list[_Turn]:
+        """One engine call over ``batch``: answer the turns that ended, return those that go
+        on."""
         try:
             outputs = turns.generate_turns(
-                [request for _, request, _ in batch],
+                [turn.next_request() for turn in batch],
                 greedy=self.greedy,
                 temperature=self.temperature,
             )
         except BaseException as e:
-            for _, _, future in batch:
-                _settle(future, error=EpisodeEnded(f"the engine failed: {_describe(e)}"))
+            for turn in batch:
+                _settle(turn.future, error=EpisodeEnded(f"the engine failed: {_describe(e)}"))
             raise
-        for (_, _, future), out in zip(batch, outputs, strict=True):
-            _settle(future, out)
+        going = []
+        for turn, out in zip(batch, outputs, strict=True):
+            turn.ids += out.ids
+            turn.log_probs += out.log_probs
+            if out.done:
+                _settle(turn.future, TurnOutput(turn.ids, turn.log_probs))
+            else:
+                going.append(turn)
+        return going
 
 
 def _settle(

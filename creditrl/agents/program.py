@@ -21,10 +21,17 @@ rollout.max_response_length`` and the model's positions, and what an episode gen
 or not (after its history was rewritten), by ``rollout.max_response_length``
 ("budget_exhausted" past it). Refusals are OpenAI-style errors, counted by the endpoint.
 
+A spent budget is a truncation, not a failure: a later request that the budget or the context
+cannot fit is a 400 whose message says "maximum context length" (OpenAI's wording, which
+verifiers and other clients take for an overlong prompt and end the rollout on), the
+trajectory stops with ``stop_reason`` "length", and an episode whose program lets that 400
+raise is "truncated": scored by the configured scorer on what it holds and trained on.
+
 The program returns a reward (a float, or a scorer dict with "score") or None: then the
 configured scorer scores the final conversation. An episode that fails is scored
 ``reward.fallback_score``; ``agent_info["episode"]`` says why ("error", "timeout", "exit",
-"interrupted", "cancelled", "not_started", "no_model_call" or "bad_reward" against "ok";
+"interrupted", "cancelled", "not_started", "no_model_call", "refused" (its first request was)
+or "bad_reward" against "ok" and "truncated";
 ``agent/episodes_*`` counts them), and one with no model turn is a placeholder the pipeline
 scores but never trains on (``creditrl.agents.rollout``). The batch holds exactly what the
 built-in loop's holds: prompts (the first request, rendered), responses, masks, turn ids,
@@ -49,7 +56,12 @@ from creditrl.agents.endpoint import Endpoint, EndpointError
 from creditrl.agents.episodes import EpisodeEnded, EpisodeRun
 from creditrl.agents.loop import Trajectory, turn_seed
 from creditrl.agents.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
-from creditrl.agents.rollout import EngineRollout, agent_metrics, trajectories_to_batch
+from creditrl.agents.rollout import (
+    OK_EPISODES,
+    EngineRollout,
+    agent_metrics,
+    trajectories_to_batch,
+)
 from creditrl.agents.transcript import Transcript, message_text, render_ids
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config.schema import AgentConfig, Config, RolloutConfig
@@ -62,7 +74,10 @@ from creditrl.rollout.continuation import (
 )
 from creditrl.usercode import load_user_object
 
-__all__ = ["ProgramRollout", "load_program"]
+__all__ = ["LENGTH_CODES", "ProgramRollout", "load_program"]
+
+LENGTH_CODES = ("budget_exhausted", "context_too_long")  # a later request that cannot fit
+_TRUNCATED = object()  # an episode the spent budget ended (its program let the 400 raise)
 
 
 def load_program(spec: str) -> Callable[..., Any]:
@@ -150,6 +165,7 @@ class ProgramRollout(EngineRollout):
             max_tokens_per_turn=agent_cfg.max_tokens_per_turn,
             stop=agent_cfg.stop,
             keep_kv_cache=agent_cfg.keep_kv_cache,
+            chunk_tokens=agent_cfg.turn_chunk_tokens,
         )
         self.chat = ChatFormat(tokenizer, agent_cfg.tool_role)
         self.renders_tool_calls = "tool_calls" in (tokenizer.chat_template or "")
@@ -251,7 +267,7 @@ class ProgramRollout(EngineRollout):
     async def _episode(self, name: str, row: dict[str, Any]) -> Any:
         """One episode: the program with a client of its trajectory (on the episode's own
         thread and event loop; ``EpisodeRun`` bounds and times it)."""
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, BadRequestError
 
         endpoint = self.endpoint
         assert endpoint is not None
@@ -261,6 +277,11 @@ class ProgramRollout(EngineRollout):
         )  # fmt: skip
         try:
             return await self.program(row, client)
+        except BadRequestError:
+            entry = self.live.get(name)
+            if entry is not None and entry[1].length_refusals:
+                return _TRUNCATED  # the budget ran out: scored on what it holds, trained on
+            raise
         finally:
             await client.close()
 
@@ -296,7 +317,8 @@ class ProgramRollout(EngineRollout):
             cap = min(cap, value)
         if cap <= 0:
             raise refuse(
-                "the trajectory's token budget (rollout.max_response_length) is used up",
+                "maximum context length reached: the trajectory's token budget "
+                f"(rollout.max_response_length={self.rollout_cfg.max_response_length}) is used up",
                 "budget_exhausted",
             )
         return cap
@@ -307,17 +329,25 @@ class ProgramRollout(EngineRollout):
             raise _ended()
         run, transcript, seeds = entry
         _check_request(body)
-        self._check_text_length(body, first=transcript.trajectory is None)
-        try:  # off the endpoint's loop: a long conversation takes a while to render
-            rendered = await asyncio.to_thread(
-                render_ids, self.tokenizer, body["messages"], body.get("tools"), True
-            )
-        except Exception as e:  # the template refused what the request holds
-            raise _unrenderable(e) from None
-        with run.cond:  # the transcript changes only while its episode runs
-            if not run.is_running(transcript.index):
-                raise _ended()
-            ids, cap = self._context(transcript, body, rendered)
+        try:
+            self._check_text_length(body, first=transcript.trajectory is None)
+            try:  # off the endpoint's loop: a long conversation takes a while to render
+                rendered = await asyncio.to_thread(
+                    render_ids, self.tokenizer, body["messages"], body.get("tools"), True
+                )
+            except Exception as e:  # the template refused what the request holds
+                raise _unrenderable(e) from None
+            with run.cond:  # the transcript changes only while its episode runs
+                if not run.is_running(transcript.index):
+                    raise _ended()
+                ids, cap = self._context(transcript, body, rendered)
+        except EndpointError as err:
+            transcript.refusal = transcript.refusal or f"{err.code}: {err}"
+            if err.code in LENGTH_CODES:  # the budget or the context is spent: a truncation
+                transcript.length_refusals += 1
+                if transcript.recording and transcript.trajectory is not None:
+                    transcript.stop_reason = "length"
+            raise
         turn = transcript.turn + 1
         seed = turn_seed(seeds[transcript.index], turn) if seeds else None
         sample = transcript.index if transcript.recording else -1
@@ -361,9 +391,9 @@ class ProgramRollout(EngineRollout):
             hint = "; raise data.max_prompt_length" if first else ""
             raise EndpointError(
                 400,
-                f"the request holds {chars} characters: more than {limit} tokens can hold "
-                f"(data.max_prompt_length, rollout.max_response_length, the model's positions)"
-                f"{hint}",
+                f"maximum context length exceeded: the request holds {chars} characters, more "
+                f"than {limit} tokens can hold (data.max_prompt_length, "
+                f"rollout.max_response_length, the model's positions){hint}",
                 "invalid_request_error",
                 code,
             )
@@ -394,8 +424,9 @@ class ProgramRollout(EngineRollout):
         if limit is not None and len(ids) > limit + budget:
             raise EndpointError(
                 400,
-                f"the request renders to {len(ids)} tokens, more than data.max_prompt_length + "
-                f"rollout.max_response_length = {limit + budget}",
+                f"maximum context length exceeded: the request renders to {len(ids)} tokens, "
+                f"more than data.max_prompt_length + rollout.max_response_length = "
+                f"{limit + budget}",
                 "invalid_request_error",
                 "context_too_long",
             )
@@ -404,8 +435,8 @@ class ProgramRollout(EngineRollout):
             if len(ids) >= self.max_positions:
                 raise EndpointError(
                     400,
-                    f"the request renders to {len(ids)} tokens; the model has "
-                    f"{self.max_positions} positions",
+                    f"maximum context length exceeded: the request renders to {len(ids)} "
+                    f"tokens; the model has {self.max_positions} positions",
                     "invalid_request_error",
                     "context_too_long",
                 )
@@ -473,17 +504,22 @@ class ProgramRollout(EngineRollout):
         for i, (transcript, (status, value)) in enumerate(zip(transcripts, outcomes, strict=True)):
             transcript.finish(None)
             reward, error = None, ""
-            if status == "ok" and transcript.trajectory is None:
+            if status in ("ok", "error") and transcript.trajectory is None and transcript.refusal:
+                status, error = "refused", f"its first request was refused: {transcript.refusal}"
+            elif status == "ok" and transcript.trajectory is None:
                 status, error = "no_model_call", "the program never called the model"
+            elif status == "ok" and value is _TRUNCATED:
+                status = "truncated"
             elif status == "ok" and value is not None:
                 reward, error = _reward(value)
                 status = "ok" if reward is not None else "bad_reward"
             elif status != "ok":
                 error = str(value)
-            if status != "ok":
+            failed = status not in OK_EPISODES
+            if failed:
                 reward = self.fallback_score
             traj = transcript.trajectory or Trajectory(prompt_ids=ids[i][mask[i].bool()].tolist())
-            if status != "ok":
+            if failed:
                 traj.stop_reason = f"episode_{status}"
             trajectories.append(traj)
             rewards.append(reward)

@@ -45,9 +45,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_FIELDS",
+    "OK_EPISODES",
     "AgentRollout",
     "EngineRollout",
     "agent_metrics",
+    "failed_episodes",
     "trajectories_to_batch",
 ]
 
@@ -146,6 +148,22 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
         metrics[f"agent/stop_{reason}"] = stops[reason] / size
     metrics.update(_program_metrics(batch, infos))
     return metrics
+
+
+OK_EPISODES = ("ok", "truncated")  # statuses scored and trained on as they are
+
+
+def failed_episodes(batch: Batch) -> tuple[int, int, str]:
+    """(episodes that failed or were refused, episodes, the first failure's status and
+    reason) of an ``agent.program`` or environment batch; (0, 0, "") for other batches."""
+    infos = [info or {} for info in batch["agent_info"]] if "agent_info" in batch else []
+    statuses = [info.get("episode") for info in infos if "episode" in info]
+    failed = [info for info in infos if info.get("episode") not in (None, *OK_EPISODES)]
+    if not failed:
+        return 0, len(statuses), ""
+    first = failed[0]
+    why = str(first.get("episode_error") or "")[:300]
+    return len(failed), len(statuses), f"{first['episode']}: {why}".rstrip(": ")
 
 
 def _program_metrics(batch: Batch, infos: list[dict[str, Any]]) -> dict[str, float]:

@@ -100,6 +100,8 @@ class Transcript:
     stop_reason: str = ""
     requests: int = 0
     unrecorded: int = 0
+    length_refusals: int = 0  # requests refused because the budget or the context was spent
+    refusal: str = ""  # the first request refused, and why
 
     @property
     def recording(self) -> bool:

@@ -245,6 +245,12 @@ _SPECS = [
         "trainer (after repeat)",
     ),
     FieldSpec(
+        "max_new_tokens", "(B,)", "int64",
+        "per-row cap on the tokens a rollout call may sample (an agent turn's own budget, or a "
+        "chunk of it); rows end there as at EOS. Engine input only, never trained on",
+        "agent turn generator",
+    ),
+    FieldSpec(
         "uid", "(B,)", "object[str]",
         "prompt group id; samples of the same prompt share it (GRPO/RLOO grouping)",
         "trainer (before repeat)",

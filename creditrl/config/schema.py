@@ -575,6 +575,10 @@ class AgentConfig:
     """agent.program: episodes running at once."""
     episode_timeout_s: float = field(default=300.0, metadata=meta(range=POSITIVE))
     """agent.program: seconds one episode may take, then it is scored reward.fallback_score."""
+    max_failed_steps: int = field(default=3, metadata=meta(range=AT_LEAST_0))
+    """agent.program, env: stop after this many steps in a row of only failed episodes; 0: off."""
+    turn_chunk_tokens: int = field(default=16, metadata=meta(range=AT_LEAST_0))
+    """agent.program: decode steps per engine call (HF engine); new turns join the next. 0: off."""
     endpoint_host: str = "127.0.0.1"
     """agent.program: the address the OpenAI-compatible endpoint binds (loopback by default)."""
     endpoint_port: int = field(default=0, metadata=meta(range=PORT))
@@ -595,6 +599,8 @@ class EnvConfig:
     """A verifiers 0.3 environment: 'file.py:load_environment' or 'module:load_environment'."""
     openenv: str | None = None
     """An OpenEnv environment: 'file.py:EnvClass' (in process), 'file.py:app' (served), or a URL."""
+    max_steps: int = field(default=8, metadata=meta(range=AT_LEAST_1))
+    """env.openenv: most steps of an episode (one per model turn); then it ends, scored as is."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of env.verifiers's load_environment, or of env.openenv's class."""
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
+from creditrl.rollout.sampling import advance_seed
 from creditrl.rollout.turn_cache import TurnKVCache
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class TurnRequest:
     ``sample`` (row in the batch) and ``turn`` (1-based) say which trajectory asks; engines may
     ignore them (scripted test engines and sticky routing use them). ``seed``: this turn's own
     sampling stream (the engine's ``sample_seed``), or None for the engine's shared stream.
+    ``sampled``: how many of the last ``ids`` this same turn has already sampled (a turn
+    continued in chunks; ``max_new_tokens`` is then what is left of its budget); its seed's
+    stream continues at that step (``advance_seed``).
     """
 
     ids: list[int]
@@ -54,19 +58,25 @@ class TurnRequest:
     sample: int = -1
     turn: int = 0
     seed: int | None = None
+    sampled: int = 0
 
 
 @dataclass
 class TurnOutput:
-    """The new tokens and log π_sample of each (float, same length)."""
+    """The new tokens and log π_sample of each (float, same length); ``done`` is False when
+    the turn goes on (a chunk ended before EOS, a stop string and the turn's budget)."""
 
     ids: list[int]
     log_probs: list[float]
+    done: bool = True
 
 
 class TurnGenerator(Protocol):
     """What the agent loop needs from an engine. ``end_run`` is optional: the loop calls it,
-    when defined, once a run's trajectories are done."""
+    when defined, once a run's trajectories are done. ``chunk_tokens`` (optional, default 0)
+    > 0 says ``generate_turns`` samples at most that many tokens per request a call and
+    answers ``done=False`` for turns that go on, so turns that arrive meanwhile join the next
+    call (``creditrl.agents.episodes``)."""
 
     eos_token_ids: list[int]
 
@@ -104,6 +114,13 @@ def cut_at_stop(ids: list[int], tokenizer: Any, stop: Sequence[str]) -> int:
     return lo
 
 
+def _has_stop(ids: list[int], tokenizer: Any, stop: Sequence[str]) -> bool:
+    if not stop or not ids:
+        return False
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    return any(s in text for s in stop)
+
+
 def _left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -122,9 +139,12 @@ class EngineTurnGenerator:
 
     ``max_tokens_per_turn`` (> 0) caps every turn; ``stop`` strings end a turn early;
     ``keep_kv_cache`` keeps each sample's KV between turns where the engine allows it
-    (``turn_cache`` is then a ``TurnKVCache``, else None). ``run_stats["prefill_tokens"]``
-    sums the engine's ``last_stats["prefill_tokens"]`` over the current run's calls (None when
-    the engine does not report them); ``end_run`` moves it to ``last_run_stats``.
+    (``turn_cache`` is then a ``TurnKVCache``, else None). ``chunk_tokens`` > 0 (with a kept
+    KV only, else 0: a chunk would prefill the whole context again) samples each call at most
+    that many tokens per request, turns continued from their kept KV in later calls.
+    ``run_stats["prefill_tokens"]`` sums the engine's ``last_stats["prefill_tokens"]`` over
+    the current run's calls (None when the engine does not report them); ``end_run`` moves it
+    to ``last_run_stats``.
     """
 
     def __init__(
@@ -135,6 +155,7 @@ class EngineTurnGenerator:
         max_tokens_per_turn: int = 0,
         stop: Sequence[str] = (),
         keep_kv_cache: bool = True,
+        chunk_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -147,6 +168,7 @@ class EngineTurnGenerator:
         self.last_run_stats: dict[str, float | None] = {}
         if keep_kv_cache and engine.keeps_turn_kv():
             self.turn_cache = TurnKVCache()
+        self.chunk_tokens = max(int(chunk_tokens), 0) if self.turn_cache is not None else 0
         eos = engine.eos_token_ids
         if eos is None:
             eos = [tokenizer.eos_token_id]
@@ -161,30 +183,53 @@ class EngineTurnGenerator:
         greedy: bool = False,
         temperature: float | None = None,
     ) -> list[TurnOutput]:
-        """New ids and log-probs for each request, cut at its budget and at stop strings."""
+        """New ids and log-probs for each request, cut at its budget and at stop strings (at
+        most ``chunk_tokens`` of them when set: ``done`` says whether the turn ended)."""
         if not requests:
             return []
+        asked = [max(int(r.max_new_tokens), 0) for r in requests]
+        if self.chunk_tokens:
+            asked = [min(a, self.chunk_tokens) for a in asked]
         prompts = _left_padded([r.ids for r in requests], self.pad_token_id)
+        prompts["max_new_tokens"] = torch.tensor([max(a, 1) for a in asked], dtype=torch.long)
         if all(r.seed is not None for r in requests):
-            prompts["sample_seed"] = torch.tensor([r.seed for r in requests], dtype=torch.long)
+            seeds = [advance_seed(r.seed, r.sampled) for r in requests]  # type: ignore[arg-type]
+            prompts["sample_seed"] = torch.tensor(seeds, dtype=torch.long)
+        engine = self.turn_engine.capped(max(asked)) if self.chunk_tokens else self.turn_engine
         if self.turn_cache is not None:
             keys = [r.sample if r.sample >= 0 else None for r in requests]
-            self.turn_cache.retain(keys)
-            out = self.turn_engine.generate_with_turn_cache(
+            if not self.chunk_tokens:  # chunked calls hold only some of the live samples
+                self.turn_cache.retain(keys)
+            out = engine.generate_with_turn_cache(
                 prompts, keys, self.turn_cache, greedy=greedy, temperature=temperature
             )
         else:
-            out = self.turn_engine.generate(prompts, greedy=greedy, temperature=temperature)
-        self._count(self.turn_engine.last_stats)
+            out = engine.generate(prompts, greedy=greedy, temperature=temperature)
+        self._count(engine.last_stats)
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].cpu(), out["rollout_log_probs"].cpu().float()
-        results = []
-        for i, request in enumerate(requests):
-            n = min(int(lengths[i]), max(int(request.max_new_tokens), 0))
-            ids = responses[i, :n].tolist()
-            n = cut_at_stop(ids, self.tokenizer, self.stop)
-            results.append(TurnOutput(ids[:n], log_probs[i, :n].tolist()))
-        return results
+        return [
+            self._turn(request, responses[i, : min(int(lengths[i]), a)].tolist(), log_probs[i], a)
+            for i, (request, a) in enumerate(zip(requests, asked, strict=True))
+        ]
+
+    def _turn(
+        self, request: TurnRequest, ids: list[int], log_probs: torch.Tensor, asked: int
+    ) -> TurnOutput:
+        """One request's output: ``ids`` cut at a stop string (looked for over the whole turn,
+        the ids it sampled in earlier chunks included), and whether the turn ended."""
+        before = request.ids[len(request.ids) - request.sampled :] if request.sampled else []
+        whole = before + ids
+        n = cut_at_stop(whole, self.tokenizer, self.stop)
+        done = not self.chunk_tokens or (
+            n < len(whole)
+            or len(ids) < asked
+            or len(ids) >= request.max_new_tokens
+            or bool(ids and ids[-1] in self.eos_token_ids)
+            or _has_stop(whole, self.tokenizer, self.stop)
+        )
+        n -= len(before)
+        return TurnOutput(ids[:n], log_probs[:n].tolist(), done)
 
     def _count(self, engine_stats: Mapping[str, float]) -> None:
         prefill, total = engine_stats.get("prefill_tokens"), self.run_stats["prefill_tokens"]

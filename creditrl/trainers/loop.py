@@ -5,7 +5,8 @@ Shared here, one implementation each: resume (the newest checkpoint that fits, t
 controller and the validations with it), validation on the schedule's steps
 (``creditrl.trainers.schedule``), one step (the batch, the training half with the critic
 warm-up and the health check, the step's metrics with the critic's and the agent hook, the
-rollout dump), metrics, progress, checkpoints and the summary. A loop says where a step's
+rollout dump), metrics, progress (with a line for a step's failed episodes, and a stop after
+``agent.max_failed_steps`` steps of nothing else), checkpoints and the summary. A loop says where a step's
 batch comes from (``next_batch``) and what its rows' old log-probs are (``update``), and may
 act after the update (``after_update``: the learner publishes weights and acknowledges groups)
 and add metrics (``source_metrics``). Only the main process (rank 0) validates, logs, dumps and
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from creditrl.batch import Batch
+from creditrl.trainers.failures import EpisodeFailures
 from creditrl.trainers.run_lock import RunLock
 
 __all__ = ["TrainingLoop", "saved_metrics"]
@@ -181,6 +183,7 @@ class TrainingLoop:
                     self.tracker.log(self.val_before, step=0)
             self.begin(resumed)
             progress = self.progress() if self.main else None
+            failures = EpisodeFailures(self.console, self.cfg.agent.max_failed_steps)
             while self.more():
                 self.step += 1
                 metrics = self.train_step()
@@ -193,6 +196,7 @@ class TrainingLoop:
                     metrics.update(self.val_latest)
                 self.tracker.log(metrics, step=self.step)
                 progress.update(self.step, metrics)
+                failures.check(self.step, self.last_batch)
                 self.scores.append(metrics.get("critic/score/mean", math.nan))
                 if saving:
                     self.save_checkpoint()
