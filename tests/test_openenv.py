@@ -31,7 +31,7 @@ def env_config(out: Path, target: str, *extra: str):
     """The tiny model on the guessing game: 2 prompts x 2 episodes a step, 3 guesses each."""
     return tiny_engine_config(
         out, f"env.openenv={target}", "reward.num_workers=0", "data.max_prompt_length=256",
-        "rollout.max_response_length=48", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
+        "rollout.max_response_length=48", "env.max_steps=3", "agent.max_tokens_per_turn=8",
         *extra,
     )  # fmt: skip
 
@@ -62,7 +62,7 @@ def scripted_episodes(target: str, replies: list[list[str]]) -> Any:
         None, tok, cfg.agent, cfg.rollout, fallback_score=-1.0,
         max_prompt_length=cfg.data.max_prompt_length,
         turn_generator=ScriptedTurnGenerator(scripts, [eos]),
-        program=OpenEnvProgram(load_openenv_environment(cfg.env), cfg.agent.max_turns),
+        program=OpenEnvProgram(load_openenv_environment(cfg.env), cfg.env.max_steps),
     )  # fmt: skip
     try:
         return rollout.generate(

@@ -22,7 +22,7 @@ prompt is that observation's text as the user message (after ``data.system_promp
 Episode: ``reset(seed)``, then per turn the policy's reply through creditrl's endpoint
 (``creditrl.agents.program``: token-exact, observations masked), the reply's text as the
 action, ``step(action)``, the observation's text as the next user message; until the
-observation is ``done``, ``agent.max_turns`` steps were taken, or the trajectory's token budget
+observation is ``done``, ``env.max_steps`` steps were taken, or the trajectory's token budget
 is spent. The score is the sum of the step rewards; ``openenv_steps`` and ``openenv_done`` are
 metrics (``reward/openenv_steps_mean``, ...).
 
@@ -428,8 +428,8 @@ class OpenEnvProgram:
     row's episode (module docstring) and returns ``{"score": sum of rewards,
     "openenv_steps": n, "openenv_done": 0 or 1}``."""
 
-    def __init__(self, target: OpenEnvTarget, max_turns: int) -> None:
-        self.target, self.max_turns = target, max_turns
+    def __init__(self, target: OpenEnvTarget, max_steps: int) -> None:
+        self.target, self.max_steps = target, max_steps
 
     async def __call__(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
         import openai
@@ -440,7 +440,7 @@ class OpenEnvProgram:
             outcome = await env.reset(seed)
             messages = [*system, {"role": "user", "content": observation_text(outcome.observation)}]
             total, steps = 0.0, 0
-            while not outcome.done and steps < self.max_turns:
+            while not outcome.done and steps < self.max_steps:
                 try:
                     reply = await client.chat.completions.create(
                         model=MODEL_NAME, messages=messages
@@ -467,7 +467,7 @@ def build_openenv_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     from creditrl.agents.program import ProgramRollout
 
     target = load_openenv_environment(cfg.env)
-    program = OpenEnvProgram(target, cfg.agent.max_turns)
+    program = OpenEnvProgram(target, cfg.env.max_steps)
     return ProgramRollout.for_run(engine, tokenizer, cfg, program=program)
 
 
