@@ -3,7 +3,9 @@
 One loader serves every such key (``reward.scorer``, tool ``function`` entries,
 ``algorithm.adv_estimator``). A missing file, a file that fails to import, or a missing name
 raises a one-line ``UserCodeError`` naming the key, the file and the name. A file is imported
-once per process, by its resolved path, so code that registers things runs once.
+once per process, by its resolved path, so code that registers things runs once; its folder is
+added to the end of ``sys.path`` first, so it imports the modules beside it as ``python
+file.py`` would (installed packages keep precedence over a module of the same name there).
 """
 
 from __future__ import annotations
@@ -83,10 +85,15 @@ def _load_file(path: Path, what: str) -> ModuleType:
     if module_spec is None or module_spec.loader is None:
         raise UserCodeError(f"{what}: {key} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(module_spec)
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
+    except KeyboardInterrupt:
+        del sys.modules[name]
+        raise
+    except BaseException as e:  # SystemExit and the like too: one line, never the run's end
         del sys.modules[name]
         raise UserCodeError(_import_failure(what, key, e, key)) from e
     _modules[key] = module
@@ -102,7 +109,9 @@ def _load_module(target: str, what: str) -> ModuleType:
                 f"{what}: no module named {target!r}; give {_FORMS} (a file path must end in .py)"
             ) from e
         raise UserCodeError(_import_failure(what, f"module {target!r}", e, None)) from e
-    except (Exception, SystemExit) as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
         raise UserCodeError(_import_failure(what, f"module {target!r}", e, None)) from e
 
 
