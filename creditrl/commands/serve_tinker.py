@@ -49,6 +49,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from creditrl.tinker.server import TinkerServer
     from creditrl.tinker.service import Settings
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     api_key = args.api_key
     if api_key is None and not _loopback(args.host):
         api_key = f"tml-{secrets.token_urlsafe(24)}"
@@ -97,6 +101,11 @@ def register(sub: Any) -> None:
         "--api-key",
         help="require this key (X-API-Key); default: none on loopback, a printed random one "
         "elsewhere",
+    )
+    cmd.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default torch's choice; 1 on a machine shared with other jobs)",
     )
     cmd.add_argument("--max-sessions", type=int, default=8, help="sessions held at once")
     cmd.add_argument("--max-models", type=int, default=4, help="models loaded at once")

@@ -24,7 +24,7 @@ from typing import Any
 
 from creditrl.tinker.messages import BadRequest
 
-__all__ = ["Failure", "FutureTable", "ProtoResult"]
+__all__ = ["Failure", "FutureTable", "ProtoResult", "outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,18 @@ class Failure:
     category: str
 
 
+def outcome(job: Callable[[], Any]) -> Any:
+    """What ``job`` returns, or the ``Failure`` it raised: ``BadRequest`` as a user error, any
+    other exception as a server error (logged; the service goes on)."""
+    try:
+        return job()
+    except BadRequest as err:
+        return Failure(str(err), "user")
+    except Exception as err:  # a job's bug must not stop the service
+        log.error("tinker request failed:\n%s", traceback.format_exc())
+        return Failure(f"{type(err).__name__}: {err}", "server")
+
+
 class FutureTable:
     """Request id -> result (a JSON-able dict, a ``ProtoResult`` or a ``Failure``)."""
 
@@ -56,27 +68,30 @@ class FutureTable:
         self.done: OrderedDict[str, Any] = OrderedDict()
         self.lock = threading.Lock()
 
-    def submit(self, job: Callable[[], Any]) -> str:
-        """Queue ``job``; its request id. BadRequest(429) when ``max_pending`` are queued."""
+    def reserve(self) -> str:
+        """A new pending request id, resolved later by ``resolve``. BadRequest(429) when
+        ``max_pending`` are pending."""
         if len(self.pending) >= self.max_pending:
             raise BadRequest(
                 f"{self.max_pending} requests are already queued on this service; retry later",
                 status=429,
             )
         request_id = uuid.uuid4().hex
-        event = asyncio.Event()
-        self.pending[request_id] = event
-        self.worker.submit(self._run, request_id, job)
+        self.pending[request_id] = asyncio.Event()
         return request_id
 
-    def _run(self, request_id: str, job: Callable[[], Any]) -> None:
-        try:
-            result = job()
-        except BadRequest as err:
-            result = Failure(str(err), "user")
-        except Exception as err:  # a job's bug must not stop the service
-            log.error("tinker request failed:\n%s", traceback.format_exc())
-            result = Failure(f"{type(err).__name__}: {err}", "server")
+    def submit(self, job: Callable[[], Any]) -> str:
+        """Queue ``job``; its request id, resolved with what ``job`` returns."""
+        request_id = self.reserve()
+        self.worker.submit(lambda: self.resolve(request_id, outcome(job)))
+        return request_id
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` (it resolves the requests it serves itself)."""
+        self.worker.submit(job)
+
+    def resolve(self, request_id: str, result: Any) -> None:
+        """Set a request's result (from any thread)."""
         self.loop.call_soon_threadsafe(self._finish, request_id, result)
 
     def _finish(self, request_id: str, result: Any) -> None:

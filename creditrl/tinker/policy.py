@@ -74,14 +74,14 @@ class AdamStep:
 
 @dataclass(frozen=True)
 class SampleParams:
-    """A sampling request's settings; ``stop_ids`` end a sample at that token (kept),
-    ``stop_strings`` at the end of the first token that completes one."""
+    """Sampling settings (requests that share them are sampled together): ``stop_ids`` end a
+    sample at that token (kept), ``stop_strings`` at the end of the first token completing
+    one."""
 
     max_tokens: int
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
-    seed: int | None = None
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 
@@ -295,36 +295,42 @@ class Policy:
         return {"grad_norm:mean": norm, "learning_rate:mean": step.learning_rate}
 
     def sample(
-        self, prompt: list[int], num_samples: int, params: SampleParams
-    ) -> list[SampledSequence]:
-        """``num_samples`` continuations of ``prompt`` by the HF engine over this module, each
-        token with its log-prob under the sampling distribution."""
-        if len(prompt) + params.max_tokens > self.context:
-            raise BadRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's {self.context} positions"
-            )
-        if max(prompt) >= self.vocab:
-            raise BadRequest(f"the prompt holds a token id past the vocabulary ({self.vocab})")
+        self, requests: Sequence[tuple[list[int], int, int | None]], params: SampleParams
+    ) -> list[list[SampledSequence]]:
+        """Continuations of several prompts in one HF engine call over this module:
+        ``requests`` are (prompt, num_samples, seed or None); each token comes with its
+        log-prob under the sampling distribution. Row r of a request with seed s draws from
+        the counter-based stream s + r (``counter_uniforms``), so its samples do not depend on
+        the other requests sampled with it."""
+        for prompt, _, _ in requests:
+            if len(prompt) + params.max_tokens > self.context:
+                raise BadRequest(
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                    f"the model's {self.context} positions"
+                )
+            if max(prompt) >= self.vocab:
+                raise BadRequest(f"a prompt holds a token id past the vocabulary ({self.vocab})")
+        rows = [prompt for prompt, num, _ in requests for _ in range(num)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+        seeds = [
+            torch.arange(num) + (seed if seed is not None else int(torch.randint(1 << 62, ())))
+            for _, num, seed in requests
+        ]
         cfg = RolloutConfig(
             max_response_length=params.max_tokens,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
-            micro_batch_size=max(num_samples, 1),
+            micro_batch_size=len(rows),
         )
-        engine = HFRolloutEngine(
-            self.module,
-            self.tokenizer,
-            cfg,
-            seed=params.seed if params.seed is not None else torch.seed() % (1 << 62),
-            eos_token_ids=params.stop_ids,
-        )
-        ids = torch.tensor([prompt] * num_samples, dtype=torch.long)
-        tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if params.seed is not None:
-            tensors["sample_seed"] = params.seed + torch.arange(num_samples, dtype=torch.long)
-        out = engine.generate(Batch.from_dict(tensors), greedy=params.temperature == 0)
+        engine = HFRolloutEngine(self.module, self.tokenizer, cfg, eos_token_ids=params.stop_ids)
+        prompts = {"input_ids": ids, "attention_mask": mask, "sample_seed": torch.cat(seeds)}
+        out = engine.generate(Batch.from_dict(prompts), greedy=params.temperature == 0)
         lengths = out["response_mask"].sum(-1).tolist()
         sequences = []
         for i, length in enumerate(lengths):
@@ -335,7 +341,11 @@ class Policy:
             if cut is not None:
                 tokens, logprobs, stopped = tokens[:cut], logprobs[:cut], True
             sequences.append(SampledSequence(tokens, logprobs, "stop" if stopped else "length"))
-        return sequences
+        out_lists, start = [], 0
+        for _, num, _ in requests:
+            out_lists.append(sequences[start : start + num])
+            start += num
+        return out_lists
 
     def _stop_string_end(self, tokens: list[int], stops: Sequence[str]) -> int | None:
         """The length of the shortest prefix of ``tokens`` whose text holds a stop string."""

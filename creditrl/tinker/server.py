@@ -4,7 +4,7 @@ served by aiohttp on its own event-loop thread, loopback by default.
 The client handshake the SDK does: ``client/config`` (answered with the flags that keep it on
 plain API keys, JSON futures and unchunked, uncompressed ``forward_backward`` bodies), then
 ``create_session``, heartbeats, and requests that return a future id it polls with
-``retrieve_future`` (held up to ``POLL_WAIT_S`` here before "try again"). With ``api_key`` set
+``retrieve_future`` (held up to ``POLL_WAIT_S`` here, then a 408 "try again"). With ``api_key`` set
 every request must carry it (``X-API-Key``, as the SDK sends ``TINKER_API_KEY``); the SDK
 itself insists on a key that starts with ``tml-``.
 
@@ -214,9 +214,10 @@ class TinkerServer:
         if not isinstance(request_id, str) or len(request_id) > 128:
             raise BadRequest("request_id must be a string")
         result = await self.service.futures.wait(request_id, POLL_WAIT_S)
-        if result is None:
+        if result is None:  # 408 + try_again: the SDK polls again (quietly)
             return web.json_response(
-                {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                status=408,
             )
         if isinstance(result, Failure):
             return web.json_response({"error": result.message, "category": result.category})

@@ -12,6 +12,7 @@ sampling at most ``max_num_samples`` samples of at most ``max_sample_tokens`` to
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from creditrl.models import resolve_model_path
 from creditrl.models.embedded import EMBEDDED_NAME
 from creditrl.tinker.checkpoints import CheckpointRef, CheckpointStore
-from creditrl.tinker.futures import FutureTable, ProtoResult
+from creditrl.tinker.futures import Failure, FutureTable, ProtoResult, outcome
 from creditrl.tinker.messages import (
     BadRequest,
     ForwardBackwardRequest,
@@ -39,6 +40,7 @@ __all__ = ["EMBEDDED_ALIASES", "Service", "Settings"]
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME, f"HuggingFaceTB/{EMBEDDED_NAME}")
 SESSION_TIMEOUT_S = 600.0
+SAMPLE_GROUP = 32  # sampling requests answered by one engine call at most
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,20 @@ class Session:
     seen: float
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SampleWanted:
+    """A queued sampling request."""
+
+    request_id: str
+    sampler: Sampler
+    prompt: list[int]
+    num: int
+    seed: int | None
+    params: SampleParams
+    with_prompt: bool
+    last_n: int | None
 
 
 @dataclass
@@ -109,6 +125,9 @@ class Service:
         self.records: dict[str, RunRecord] = {}
         self.samplers: dict[str, Sampler] = {}
         self.reserved: set[str] = set()  # models being loaded
+        self.lock = threading.Lock()
+        self.waiting: list[SampleWanted] = []  # sampling requests not yet taken by the worker
+        self.draining = False
 
     # ---- models and sessions ---------------------------------------------------------------
 
@@ -448,9 +467,6 @@ class Service:
         top_p = _number(params, "top_p", 1.0)
         if temperature < 0 or not 0 < top_p <= 1:
             raise BadRequest("temperature must be >= 0 and top_p in (0, 1]")
-        seed = params.get("seed")
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 62):
-            raise BadRequest("seed must be an integer in [0, 2^62)")
         stop = params.get("stop")
         stop_ids: tuple[int, ...] = policy.eos_ids
         strings: tuple[str, ...] = ()
@@ -474,7 +490,6 @@ class Service:
             temperature=temperature,
             top_k=_number(params, "top_k", -1, int),
             top_p=top_p,
-            seed=seed,
             stop_ids=stop_ids,
             stop_strings=strings,
         )
@@ -502,20 +517,56 @@ class Service:
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and (type(last_n) is not int or not 1 <= last_n < len(prompt)):
             raise BadRequest("prompt_logprobs_last_n must be in [1, len(prompt) - 1]")
+        seed = body.get("sampling_params", {}).get("seed")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 62):
+            raise BadRequest("seed must be an integer in [0, 2^62)")
+        request_id = self.futures.reserve()
+        wanted = SampleWanted(request_id, sampler, prompt, num, seed, params, with_prompt, last_n)
+        with self.lock:
+            self.waiting.append(wanted)
+            start = not self.draining
+            self.draining = True
+        if start:
+            self.futures.run(self._drain)
+        ids = [f"{sampler.id}:{request_id[:8]}:{i}" for i in range(num)]
+        return {
+            "request_id": request_id,
+            "model_id": None,
+            "sample_sequence_ids": ids,
+        }
+
+    def _drain(self) -> None:
+        """On the worker: sample every waiting request, those of one sampler with the same
+        settings in one engine call (the recipe's concurrent requests become one batch)."""
+        with self.lock:
+            waiting, self.waiting, self.draining = self.waiting, [], False
+        groups: dict[tuple, list[SampleWanted]] = {}
+        for wanted in waiting:
+            groups.setdefault((wanted.sampler.id, wanted.params), []).append(wanted)
+        for group in groups.values():
+            for start in range(0, len(group), SAMPLE_GROUP):
+                part = group[start : start + SAMPLE_GROUP]
+                results = outcome(lambda part=part: self._sample_group(part))
+                for i, wanted in enumerate(part):
+                    result = results if isinstance(results, Failure) else results[i]
+                    self.futures.resolve(wanted.request_id, result)
+
+    def _sample_group(self, group: list[SampleWanted]) -> list[ProtoResult]:
+        sampler, params = group[0].sampler, group[0].params
+        policy = self.policy(sampler.model_id)
         record = self.records.get(sampler.model_id)
-
-        def job() -> ProtoResult:
-            with policy.using(sampler.adapters, sampler.version):
-                sequences = policy.sample(prompt, num, params)
-                scored = policy.prompt_logprobs(prompt) if with_prompt else None
-            if scored is not None and last_n is not None:
-                scored = [float("nan")] * (len(prompt) - last_n) + scored[-last_n:]
-            if record is not None:
-                record.sampled([len(s.tokens) for s in sequences])
-            return ProtoResult(encode_sample_response(sequences, scored))
-
-        ids = [f"{sampler.id}:{uuid.uuid4().hex[:8]}:{i}" for i in range(num)]
-        return self._future(job, None, {"sample_sequence_ids": ids})
+        with policy.using(sampler.adapters, sampler.version):
+            samples = policy.sample([(w.prompt, w.num, w.seed) for w in group], params)
+            results = []
+            for wanted, sequences in zip(group, samples, strict=True):
+                scored = policy.prompt_logprobs(wanted.prompt) if wanted.with_prompt else None
+                if scored is not None and wanted.last_n is not None:
+                    cut = len(wanted.prompt) - wanted.last_n
+                    scored = [float("nan")] * cut + scored[cut:]
+                if record is not None:
+                    record.sampled([len(s.tokens) for s in sequences])
+                results.append(ProtoResult(encode_sample_response(sequences, scored)))
+        return results
 
     def close(self) -> None:
         self.futures.close()
