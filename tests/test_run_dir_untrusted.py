@@ -3,6 +3,10 @@
 the code it names, unless the user passes ``--trust-run-code``; a setting only such code makes
 valid is one line naming the extension and the flag."""
 
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +17,16 @@ from helpers import tiny_trainer_config
 from creditrl.batch import Batch
 from creditrl.cli import main
 from creditrl.config.loader import save_resolved_config
+from creditrl.config.run_config import load_run_config
 from creditrl.core import POLICY_LOSSES
+from creditrl.errors import ConfigError
 from creditrl.exporting.evaluate import plan_eval
 from creditrl.models import load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.models.tokenizer import load_tokenizer
 from creditrl.tracking.rollout_dump import RolloutDumper
 from creditrl.trainers.checkpoint import CheckpointManager
+from creditrl.trainers.rl_trainer import RLTrainer
 from creditrl.workers.checkpoint_io import save_trainable
 
 RAN = "extension_ran"
@@ -157,3 +164,61 @@ def test_eval_of_a_run_that_names_code_needs_the_flag(
     assert plan.from_run and not (run / RAN).exists()
     plan = plan_eval([str(run)], trust_run_code=True)
     assert plan.config_file == run / "config.yaml" and (run / RAN).is_file()
+
+
+def _config_in_subprocess(*overrides: str) -> subprocess.CompletedProcess[str]:
+    """``creditrl config OVERRIDES`` in a child bounded in time and address space (a reader
+    that hangs or grows without bound fails the test instead of the machine)."""
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "creditrl.cli", "config", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        preexec_fn=bounded,
+    )
+
+
+def test_a_teacher_runs_config_yaml_gets_the_model_directory_file_checks(tmp_path: Path) -> None:
+    """distill.teacher naming a run whose config.yaml is a FIFO hung `creditrl train`; one
+    linking to /dev/zero grew to 23 GB in 28 s. Now each is one line, as in a model directory;
+    a link to a file outside the run is refused too."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    config = run / "config.yaml"
+    outside = tmp_path / "elsewhere.yaml"
+    outside.write_text("model:\n  path: embedded\n")
+    for make, said in (
+        (lambda: os.mkfifo(config), "config.yaml: not a regular file (a device, pipe or socket)"),
+        (lambda: config.symlink_to("/dev/zero"), "config.yaml: a link to /dev/zero, outside"),
+        (lambda: config.symlink_to(outside), f"config.yaml: a link to {outside}, outside"),
+    ):
+        config.unlink(missing_ok=True)
+        make()
+        done = _config_in_subprocess(f"model.path={tiny_model_dir()}", f"distill.teacher={run}")
+        assert done.returncode == 2, done.stdout + done.stderr
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: distill.teacher='{run}'"), lines
+        assert said in lines[0]
+    with pytest.raises(ConfigError, match=r"a link to .*elsewhere\.yaml, outside the run"):
+        load_run_config(config)
+
+
+def test_a_teacher_runs_extension_refusal_names_what_train_accepts(
+    plain_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal told `creditrl train` users to pass --trust-run-code, which train does not
+    accept: it names trainer.extensions, which train imports."""
+    run = sent_run(plain_run, tmp_path, LOSS_EXTENSION, **{"actor.policy_loss": "ppo_from_the_run"})
+    monkeypatch.chdir(run)
+    cfg = tiny_trainer_config(tmp_path / "student", f"distill.teacher={run}")
+    with pytest.raises(ConfigError, match=r"policy_loss='ppo_from_the_run' is not one") as err:
+        RLTrainer(cfg)
+    line = str(err.value)
+    assert line.startswith(f"distill.teacher='{run}': ")
+    assert "\n" not in line and "--trust-run-code" not in line
+    assert "list them in trainer.extensions of the config you train with" in line
+    assert not (run / RAN).exists()

@@ -8,6 +8,7 @@ that only an extension makes valid (a loss, an engine or an option it registers)
 line naming the extensions and the flag. ``run_code`` lists the other settings that name code
 (``reward.scorer`` or ``algorithm.adv_estimator`` as ``file.py:name``, ``agent.program``,
 ``env.verifiers``, ``agent.tool_config``), which ``creditrl eval`` would run with the run's config.
+The file itself gets a model directory's file checks (``run_files.run_file_text``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 from creditrl.config.fields import format_value
 from creditrl.config.limits import shorten
 from creditrl.config.loader import _read_yaml, load_config_with_sources
+from creditrl.config.run_files import run_file_text
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
 from creditrl.usercode import is_code_spec
 
-__all__ = ["TRUST_FLAG", "TRUST_HELP", "load_run_config", "run_code"]
+__all__ = ["TRUST_FLAG", "TRUST_HELP", "TRUST_REMEDY", "load_run_config", "run_code"]
 
 TRUST_FLAG = "--trust-run-code"
+TRUST_REMEDY = f"pass {TRUST_FLAG} if they register it (they run code)"
 TRUST_HELP = (
     "import the trainer.extensions (and, for eval, run the scorer, estimator, program or tools "
     "given as code) that the run's config.yaml names: they run with your rights, so only for "
@@ -46,11 +49,18 @@ def _extensions(path: Path) -> list[str]:
 
 
 def load_run_config(
-    path: str | Path, overrides: Sequence[str] = (), *, trust_code: bool = False
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    trust_code: bool = False,
+    remedy: str = TRUST_REMEDY,
 ) -> Config:
     """The checked config of a run (its ``config.yaml``) with ``overrides`` on top, imported
-    code only with ``trust_code``; a one-line ``ConfigError`` naming the file otherwise."""
+    code only with ``trust_code``; a one-line ``ConfigError`` naming the file otherwise, which
+    says ``remedy`` (what the command reading the run accepts) when a setting only the run's
+    extensions make valid is refused."""
     path = Path(path)
+    run_file_text(path)  # a regular file inside the run, bounded, before the loader reads it
     try:
         return load_config_with_sources(path, list(overrides), import_code=trust_code).config
     except ConfigError as err:
@@ -59,8 +69,7 @@ def load_run_config(
             raise
         raise ConfigError(
             f"{path}: {err}; the run's trainer.extensions ({', '.join(names)}) are not "
-            f"imported when a run is read: pass {TRUST_FLAG} if they register it (they run "
-            "code)"
+            f"imported when a run is read: {remedy}"
         ) from None
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from creditrl.config.limits import MAX_CONFIG_BYTES, check_yaml
+from creditrl.config.limits import check_yaml
+from creditrl.config.run_files import run_file_text
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError, UserError
 
@@ -17,16 +18,16 @@ __all__ = ["check_distill", "teacher_tokenizer_path"]
 
 
 def _run_model_path(run_dir: Path, teacher: str) -> str:
-    """``model.path`` of the run at ``run_dir`` (its config.yaml, read as data)."""
+    """``model.path`` of the run at ``run_dir`` (its config.yaml, read by ``run_file_text``)."""
     path = run_dir / "config.yaml"
     where = f"distill.teacher={teacher!r}: {path}"
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{where} is above the limit of {MAX_CONFIG_BYTES} bytes")
-        text = path.read_text(encoding="utf-8")
+        text = run_file_text(path)
         check_yaml(text, str(path))
         tree: Any = yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except ConfigError as err:
+        raise ConfigError(f"distill.teacher={teacher!r}: {err}") from None
+    except yaml.YAMLError as err:
         reason = " ".join(str(err).split())[:200]
         raise ConfigError(f"{where} cannot be read: {reason}") from None
     model = tree.get("model") if isinstance(tree, dict) else None

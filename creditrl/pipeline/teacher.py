@@ -27,13 +27,24 @@ def is_run_or_checkpoint(path: Path) -> bool:
     return (path / "checkpoints").is_dir() or path.parent.name == "checkpoints"
 
 
-def _run_actor(path: Path) -> torch.nn.Module:
+# creditrl train has no --trust-run-code: it imports the extensions its own config names
+TRAIN_REMEDY = (
+    "if they register it, list them in trainer.extensions of the config you train with "
+    "(creditrl train imports those: they run code)"
+)
+
+
+def _run_actor(path: Path, teacher: str) -> torch.nn.Module:
     from creditrl.config.run_config import load_run_config
     from creditrl.exporting.sources import find_checkpoint
     from creditrl.exporting.weights import load_actor
 
     ckpt = find_checkpoint(path)
-    model = load_actor(ckpt, load_run_config(ckpt.config_file))
+    try:
+        run_cfg = load_run_config(ckpt.config_file, remedy=TRAIN_REMEDY)
+    except ConfigError as err:
+        raise ConfigError(f"distill.teacher={teacher!r}: {err}") from None
+    model = load_actor(ckpt, run_cfg)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     return model
@@ -50,7 +61,7 @@ def load_teacher(cfg: Config, vocab_size: int) -> torch.nn.Module:
         source = cfg.model.path if teacher == "self" else "embedded"
         model = load_reference(source, cfg.model.dtype, cfg.model.cache_dir)
     elif is_run_or_checkpoint(path := Path(teacher).expanduser()):
-        model = _run_actor(path).to(torch_dtype(cfg.model.dtype))
+        model = _run_actor(path, teacher).to(torch_dtype(cfg.model.dtype))
     else:
         model = load_reference(path, cfg.model.dtype)
     embeds = model.get_input_embeddings().num_embeddings
