@@ -221,3 +221,49 @@ def test_an_engine_that_cannot_record_is_refused_in_one_line(tokenizer):
     assert "\n" not in str(e.value) and "rollout.engine=vllm" in str(e.value)
     check_sampling_replay(replace(cfg, top_p=1.0))  # nothing cut: nothing to replay
     check_sampling_replay(replace(cfg, sampling_replay=False))  # today's, biased
+
+
+# ---- on the wire: a sampler's kept-set sizes are checked like every field -------------------
+
+
+def _group(kept: torch.Tensor):
+    from creditrl.asynchronous.messages import group_of
+    from creditrl.batch import Batch
+
+    prompts, responses = torch.full((2, 3), 5), torch.full((2, 4), 7)
+    attention = torch.ones(2, 7, dtype=torch.long)
+    batch = Batch(
+        {
+            "prompts": prompts, "responses": responses,
+            "response_mask": torch.ones(2, 4, dtype=torch.long),
+            "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
+            "position_ids": attention.cumsum(1) - 1, "token_level_scores": torch.zeros(2, 4),
+            "rollout_log_probs": torch.full((2, 4), -0.5), "rollout_kept_counts": kept,
+        },
+        {"uid": ["s0:0"] * 2},
+    )  # fmt: skip
+    return group_of(batch, "s0", 0, 0)
+
+
+def test_kept_set_sizes_from_a_sampler_are_checked():
+    from creditrl.asynchronous.messages import episode_ids
+    from creditrl.asynchronous.validation import GroupLimits, MessageError, check_payload
+
+    def decoded(kept: torch.Tensor):
+        group = _group(kept)
+        return check_payload(group.to_bytes(), "s0", 0, 0, episode_ids("s0", 0, 2))[0]
+
+    limits = GroupLimits(2, 10, 8, 8, optional=frozenset({"rollout_kept_counts"}))
+    limits.check(decoded(torch.full((2, 4), 10)), "s0", 0, 0, 0)  # the whole vocabulary
+    with pytest.raises(MessageError, match="more than the vocabulary") as e:
+        limits.check(decoded(torch.full((2, 4), 11)), "s0", 0, 0, 0)
+    assert e.value.reason == "value"
+    with pytest.raises(MessageError, match="counts outside") as e:
+        decoded(torch.full((2, 4), -1))
+    assert e.value.reason == "value"
+    with pytest.raises(MessageError) as e:  # dtype: int64 only
+        decoded(torch.full((2, 4), 3.0))
+    assert e.value.reason == "dtype"
+    with pytest.raises(MessageError, match="rollout_kept_counts") as e:  # a run without replay
+        GroupLimits(2, 10, 8, 8).check(decoded(torch.full((2, 4), 3)), "s0", 0, 0, 0)
+    assert e.value.reason == "fields"
