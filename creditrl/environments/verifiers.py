@@ -80,7 +80,10 @@ def _verifiers() -> ModuleType:
     if not supported:
         raise ConfigError(
             f"env.verifiers: verifiers {version} is installed; creditrl runs the classic "
-            f"environments of verifiers >=0.3,<0.4 (0.4 keeps only verifiers.v1): {INSTALL_HINT}"
+            "environments of verifiers >=0.3,<0.4. 0.4 keeps only verifiers.v1, whose episodes "
+            "run a harness program that uv installs at run time (the null chat harness too) "
+            "behind verifiers' own model proxy, and it needs openai<3 (docs/environments.md): "
+            f"{INSTALL_HINT}"
         )
     return verifiers
 
