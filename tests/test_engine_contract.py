@@ -134,3 +134,48 @@ def test_weights_reach_a_folder_engine_from_the_published_folder(tmp_path: Path)
         assert sampler._load_weights(1) == 1 and len(engine.folders) == 1  # nothing newer
     finally:
         sampler.close()
+
+
+class _CapsToNothing(DeclaresNothing):
+    def capped(self, max_new_tokens: int) -> RolloutEngine:
+        return None  # type: ignore[return-value]
+
+
+class _TextEos(DeclaresNothing):
+    eos_token_ids = ("</s>",)
+
+
+class _NegativeContext(DeclaresNothing):
+    def context_length(self) -> int | None:
+        return -5
+
+
+class _RaisingStats(DeclaresNothing):
+    def keeps_turn_kv(self) -> bool:
+        raise RuntimeError("not ready")
+
+
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [
+        (_CapsToNothing, "capped(8) returned a NoneType, not a RolloutEngine"),
+        (_TextEos, "eos_token_ids must be None or token ids (ints >= 0), got ('</s>',)"),
+        (_NegativeContext, "context_length() must be None or a positive int, got -5"),
+        (_RaisingStats, "keeps_turn_kv() raised RuntimeError: not ready"),
+    ],
+)
+def test_an_engines_declarations_are_checked_once_at_build(
+    tokenizer, engine: type, says: str
+) -> None:
+    """A user engine's declarations were read, not checked: capped(n) returning None was an
+    AttributeError traceback at the first turn, text EOS ids a ValueError traceback, a negative
+    context length refused every episode without a word about the engine. Each is checked when
+    the engine is built, in one line naming it."""
+    name = f"test_declares_{engine.__name__.lower()}"
+    register_rollout_engine(name)(engine)
+    cfg = RolloutConfig(engine=name, max_response_length=8)
+    with pytest.raises(UserCodeError) as raised:
+        build_rollout_engine(EngineArgs(cfg, tokenizer, "unused"))
+    message = str(raised.value)
+    assert message.startswith(f"rollout.engine={name}: ") and says in message, message
+    assert "\n" not in message

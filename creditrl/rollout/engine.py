@@ -34,6 +34,7 @@ from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.core.registry import Registry
 from creditrl.errors import ConfigError, UserCodeError
+from creditrl.rollout.engine_declarations import check_declarations
 from creditrl.rollout.strategies import strategy_traits
 
 if TYPE_CHECKING:
@@ -321,6 +322,7 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
             "subclass creditrl.rollout.RolloutEngine (its declarations' defaults) and "
             "implement generate, update_weights and a torch.Generator `generator`"
         )
+    check_declarations(engine, name, args.cfg.max_response_length, RolloutEngine)
     return engine
 
 
