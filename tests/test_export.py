@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import read_metrics, tiny_trainer_config
 from huggingface_hub import ModelCard
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import creditrl
@@ -446,6 +447,31 @@ def test_a_failed_write_is_one_line_and_leaves_the_earlier_export(
     assert main(["export", str(run), str(deep)]) == 2
     assert f"cannot write OUT_DIR {deep}" in one_error_line(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "out"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+        'left on device" })',
+        "Error while serializing: I/O error: No space left on device (os error 28)",
+    ],
+)
+def test_a_full_disk_in_the_safetensors_writer_is_one_line(
+    run: Path, tmp_path: Path, capsys, monkeypatch, text: str
+) -> None:
+    """The safetensors writer reports a full disk as a SafetensorError, not an OSError: it was
+    a traceback, not the one line the docs promise."""
+    out = tmp_path / "out"
+
+    def disk_full(*args, **kwargs) -> None:
+        raise SafetensorError(text)
+
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", disk_full)
+    assert main(["export", str(run), str(out)]) == 2
+    line = one_error_line(capsys)
+    assert f"cannot write OUT_DIR {out}: No space left on device; nothing was written" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_the_cards_how_to_load_snippet_runs(run: Path, tmp_path: Path) -> None:

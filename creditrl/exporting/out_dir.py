@@ -8,18 +8,22 @@
   file or folder that the marker does not list. Anything else is refused, in one line naming it.
 - Everything is written into a temporary sibling, which is renamed into place; an earlier
   export is moved aside first and removed only once the new one is in place. A failed write
-  (a full disk, no permission) is one line naming OUT_DIR and leaves nothing behind.
+  (a full disk, no permission) is one line naming OUT_DIR and leaves nothing behind, also when
+  the safetensors writer reports it (a ``SafetensorError`` whose text holds the OS error).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from creditrl.bounded_json import JsonLimits, read_json_file
 from creditrl.errors import UserError
@@ -29,6 +33,24 @@ __all__ = ["MARKER", "check_out_dir", "staged_dir", "write_marker"]
 MARKER = "creditrl_export.json"
 MARKER_LIMITS = JsonLimits(max_bytes=1 << 16, max_depth=3, max_items=10_000)
 SHOWN = 5  # names listed in an error line
+# the OS error inside a SafetensorError's text: "message: \"...\"" or "(os error 28)"
+_OS_MESSAGE = re.compile(r'message: "([^"]{1,200})"')
+_OS_CODE = re.compile(r"os error (\d{1,4})\)")
+
+
+def _write_failure(err: BaseException) -> str | None:
+    """Why writing failed, when ``err`` is an ``OSError`` or a safetensors writer error (it
+    carries the OS error in its text); None for any other error."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    if not isinstance(err, SafetensorError):
+        return None
+    text = str(err)
+    if message := _OS_MESSAGE.search(text):
+        return message.group(1)
+    if code := _OS_CODE.search(text):
+        return os.strerror(int(code.group(1)))
+    return " ".join(text.split())[:200]
 
 
 def write_marker(out: Path, files: Sequence[str], step: int, version: str) -> None:
@@ -152,7 +174,8 @@ def _put_in_place(tmp: Path, target: Path) -> None:
 def staged_dir(out: Path, run_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     """A temporary directory beside ``out`` to write into: on success it replaces ``out``, on
     any error it is removed (with the folders made for it), so ``out`` is never half-written.
-    An ``OSError`` while writing becomes a one-line UserError naming ``out``."""
+    An ``OSError`` or ``SafetensorError`` while writing becomes a one-line UserError naming
+    ``out``."""
     check_out_dir(out, run_dir, overwrite)
     target = Path(os.path.abspath(out))
     created: list[Path] = []
@@ -172,7 +195,7 @@ def staged_dir(out: Path, run_dir: Path, overwrite: bool = False) -> Iterator[Pa
         for path in created:
             with suppress(OSError):  # not empty: someone else wrote there
                 path.rmdir()
-        if isinstance(err, OSError):
-            reason = err.strerror or str(err)
+        reason = _write_failure(err)
+        if reason is not None:
             raise UserError(f"cannot write OUT_DIR {out}: {reason}; nothing was written") from None
         raise
