@@ -66,20 +66,34 @@ def test_row_and_capacity_buckets():
     assert kv_bucket(300, 300) == 300
 
 
-@pytest.mark.parametrize("greedy,micro_batch_size", [(False, 64), (True, 64), (False, 4)])
+@pytest.mark.parametrize(
+    "greedy,micro_batch_size,truncated",
+    [(False, 64, False), (True, 64, False), (False, 4, False), (False, 64, True)],
+)
 def test_static_cache_samples_what_the_dynamic_path_samples(
-    model, tokenizer, greedy, micro_batch_size
+    model, tokenizer, greedy, micro_batch_size, truncated
 ):
     """Same tokens; log-probs within 1e-5 (measured: <= 4e-6) of the engine's dynamic-cache
     path (rows leaving the batch), rows finishing at different steps. In micro-batches of 4
     the generator's draws of the steps run past the last row's end are taken back, so the
-    next micro-batch draws what the dynamic path's does."""
+    next micro-batch draws what the dynamic path's does; with top-k/top-p the kept-set
+    sizes and with per-row ``max_new_tokens`` the lengths are the dynamic path's too."""
     prompts = prompt_batch(PROMPTS, repeat=3)
+    settings = {"top_k": 40, "top_p": 0.9} if truncated else {}
+    if truncated:
+        prompts["max_new_tokens"] = torch.tensor([3, 12, 5, 1, 12, 7, 12, 2, 9])
     outs, stats = {}, {}
     for mode in ("dynamic", "static"):
-        rollout = static_engine(model, tokenizer, mode, micro_batch_size=micro_batch_size)
+        rollout = static_engine(
+            model, tokenizer, mode, micro_batch_size=micro_batch_size, **settings
+        )
         outs[mode] = rollout.generate(prompts, seed=3, greedy=greedy)
         stats[mode] = rollout.last_stats
+    if truncated:
+        assert torch.equal(
+            outs["static"]["rollout_kept_counts"], outs["dynamic"]["rollout_kept_counts"]
+        )
+        assert (outs["static"]["response_mask"].sum(1) <= prompts["max_new_tokens"]).all()
     assert (stats["static"]["static_decode"], stats["dynamic"]["static_decode"]) == (1.0, 0.0)
     assert stats["static"]["graph_decode"] == 0.0  # the CPU: eager
     assert torch.equal(outs["static"]["responses"], outs["dynamic"]["responses"])
@@ -245,19 +259,22 @@ def test_gqa_packing_and_kv_buckets_keep_tokens_and_log_probs(
 
 
 class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops that wait for the device: reading a value on the host
-    (``_local_scalar_dense``) and boolean indexing (``nonzero``, ``masked_select``)."""
+    """Counts the aten ops that wait for the device: a value read on the host (``reads``)
+    and boolean indexing (``boolean_indexing``: nonzero, masked_select, a bool index)."""
 
-    WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select")
+    READS = ("aten.is_nonzero", "aten.item", "aten._local_scalar_dense")
+    BOOLEAN = ("aten.nonzero", "aten.masked_select")
 
     def __init__(self) -> None:
         super().__init__()
-        self.count: dict[str, int] = {}
+        self.reads = self.boolean_indexing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if name in self.WAITS:
-            self.count[name] = self.count.get(name, 0) + 1
+        self.reads += name in self.READS
+        indices = args[1] if name == "aten.index" else ()
+        bool_index = any(getattr(i, "dtype", None) == torch.bool for i in indices)
+        self.boolean_indexing += name in self.BOOLEAN or bool_index
         return func(*args, **(kwargs or {}))
 
 
@@ -282,7 +299,7 @@ def test_the_static_decode_loop_has_no_host_sync_per_step(model, tokenizer, monk
     out = rollout.generate(prompt_batch(PROMPTS, repeat=2), seed=1)
     assert out["response_mask"].sum(1).tolist() == [40] * 6
     assert rollout.last_stats["decode_steps"] == 39
-    assert [m.count for m in modes] == [{"aten._local_scalar_dense": 40 // 16 + 1}]
+    assert [(m.reads, m.boolean_indexing) for m in modes] == [(40 // 16 + 1, 0)]
 
 
 def test_sampling_inside_the_step_samples_what_sampling_outside_does(model, tokenizer):
@@ -347,42 +364,43 @@ def test_the_kept_steps_are_bounded_by_bytes(model):
     assert list(roomy.steps) == [(2, 256), (8, 256)] and roomy.built == 2
 
 
+class _FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
 class _FakeCuda:
-    """Enough of ``torch.cuda`` for ``GraphCapture.capture`` on the CPU: streams, a graph
-    whose capture raises ``error``, and the current stream as set."""
+    """Enough of ``torch.cuda`` for ``GraphCapture.capture`` on the CPU: streams, a capture
+    that makes its stream current and then raises ``error``, and the current stream."""
 
     def __init__(self, error: BaseException) -> None:
-        self.error, self.current, self.pools = error, "default", 0
-        outer = self
+        self.error, self.current, self.pools = error, _FakeStream("default"), 0
 
-        class Stream:
-            def wait_stream(self, other):
-                pass
+    def Stream(self) -> _FakeStream:
+        return _FakeStream("side")
 
-        class Graph:
-            def __init__(self, *args, **kwargs):
-                pass
+    def CUDAGraph(self) -> object:
+        return object()
 
-            def __enter__(self):
-                outer.current = "capture"
-                raise outer.error
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None):
+        self.current = _FakeStream("capture")
+        raise self.error
+        yield
 
-            def __exit__(self, *exc):
-                return False
-
-        self.Stream, self.CUDAGraph = Stream, lambda: object()
-        self.graph = Graph
-
-    def current_stream(self):
+    def current_stream(self) -> _FakeStream:
         return self.current
 
-    def set_stream(self, stream):
+    def set_stream(self, stream) -> None:
         self.current = stream
 
     def stream(self, stream):
         return contextlib.nullcontext()
 
-    def graph_pool_handle(self):
+    def graph_pool_handle(self) -> int:
         self.pools += 1
         return self.pools
 
@@ -404,7 +422,7 @@ def test_a_failed_capture_restores_the_stream_and_is_counted(monkeypatch, oom):
             capture.capture(lambda: runs.append(1))
     else:
         assert capture.capture(lambda: runs.append(1)) is None
-    assert fake.current == "default" and capture.fallbacks == 1
+    assert fake.current.name == "default" and capture.fallbacks == 1
     assert capture.pool == 2 and len(runs) == 2  # the warm-up ran; a fresh pool
     assert capture.enabled is oom
 

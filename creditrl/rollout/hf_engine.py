@@ -53,7 +53,7 @@ from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
 from creditrl.rollout import cpu_kernels
 from creditrl.rollout.cpu_kernels import weight_major_linears
-from creditrl.rollout.cuda_graph import StaticDecoder, StaticDecodeStep, static_decode_unsupported
+from creditrl.rollout.cuda_graph import StaticDecoder, static_decode_unsupported
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
@@ -64,6 +64,7 @@ from creditrl.rollout.sampling import (
     sample_next_tokens,
     sampling_params_of,
 )
+from creditrl.rollout.static_loop import static_decode
 
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
@@ -100,13 +101,15 @@ class HFRolloutEngine(RolloutEngine):
     """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine),
     registered as ``rollout.engine=hf``. It samples with the module it is given
     (``samples_with_actor_module``), and its log-probs are that module's own at the sampling
-    temperature (``exact_log_probs``); it never sleeps.
+    temperature (``exact_log_probs``); ``sleep()`` drops its static KV caches and CUDA graphs.
 
     ``seed`` seeds the engine's ``torch.Generator``: the same seed, model, prompts and settings
     give the same samples. A prompt batch with a ``sample_seed`` (B,) int64 field samples each
     row from its own counter-based stream instead (``counter_uniforms``), so the tokens do not
     depend on how rows are grouped into micro-batches or data-parallel workers (the trainer
-    draws these seeds). ``eos_token_ids`` overrides the stop ids (default:
+    draws these seeds); a ``max_new_tokens`` (B,) int64 field ends each row at its own
+    token count, at most the engine's (agent turns ask for their own). ``eos_token_ids``
+    overrides the stop ids (default:
     ``eos_token_ids_of(model, tokenizer)``). ``remove_finished=False`` keeps finished rows in
     the forward passes (the naive loop, for benchmarks). Each trajectory draws one uniform per
     step from the micro-batch's stream whether or not others finished, so both loops sample
@@ -271,6 +274,7 @@ class HFRolloutEngine(RolloutEngine):
             prompts = prompts.to(device)
         ids, mask, positions = _prompt_tensors(prompts, device)
         seeds = prompts.get("sample_seed")
+        caps = prompts.get("max_new_tokens")
         size = self.cfg.micro_batch_size
         parts = []
         self.last_stats = dict.fromkeys(_STATS, 0.0)
@@ -299,6 +303,7 @@ class HFRolloutEngine(RolloutEngine):
                             plan,
                             decoder,
                             static,
+                            None if caps is None else caps[rows],
                         )
                     )
         finally:
@@ -309,6 +314,7 @@ class HFRolloutEngine(RolloutEngine):
         self.last_stats["response_tokens"] = float(out["response_mask"].sum())
         self.last_stats["static_decode"] = float(static is not None)
         self.last_stats["graph_decode"] = float(static is not None and static.graph)
+        self.last_stats["graph_fallbacks"] = float(static.capture.fallbacks if static else 0)
         return out
 
     def _static_decoder(self) -> StaticDecoder | None:
@@ -344,23 +350,39 @@ class HFRolloutEngine(RolloutEngine):
         )
         return out.logits[:, -1]
 
+    def sleep(self) -> None:
+        """Free the static decode caches and their CUDA graphs (rebuilt by the next call)."""
+        for decoder in self._static:
+            decoder.release()
+
     def _prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_new: int
     ) -> tuple[DynamicCache, torch.Tensor]:
         """The KV cache and next-token logits (m, V) of each row, computing each distinct
         prompt once; ``ids``/``mask``/``positions`` are already trimmed of all-padding columns."""
+        capacity = ids.shape[1] + max_new
+        cache, logits, inverse = self._prefill_distinct(ids, mask, positions, capacity)
+        if inverse is not None:  # expand and restore order
+            cache.batch_select_indices(inverse)
+            logits = logits[inverse]
+        return cache, logits
+
+    def _prefill_distinct(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor | None]:
+        """The KV cache (``capacity`` positions) and next-token logits of each distinct prompt,
+        computed once, and the distinct prompt of each row (None: the rows are distinct)."""
         m, device = len(ids), ids.device
         unique_keys, inverse = torch.unique(prompt_keys(ids, mask), dim=0, return_inverse=True)
         firsts = torch.full((len(unique_keys),), m, dtype=torch.long, device=device)
         firsts = firsts.scatter_reduce(0, inverse, torch.arange(m, device=device), "amin")
-        cache = preallocated_cache(self.model, ids.shape[1] + max_new)
+        cache = preallocated_cache(self.model, capacity)
         logits, pushed = self._fresh_prefill(ids[firsts], mask[firsts], positions[firsts], cache)
         self.last_stats["prefill_rows"] += len(firsts)
         self.last_stats["prefill_tokens"] += pushed
-        if not torch.equal(inverse, torch.arange(m, device=device)):  # expand and restore order
-            cache.batch_select_indices(inverse)
-            logits = logits[inverse]
-        return cache, logits
+        if torch.equal(inverse, torch.arange(m, device=device)):
+            return cache, logits, None
+        return cache, logits, inverse
 
     def _fresh_prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
@@ -420,6 +442,7 @@ class HFRolloutEngine(RolloutEngine):
         turns: TurnPrefill | None = None,
         decoder: LlamaDecoder | None = None,
         static: StaticDecoder | None = None,
+        caps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Responses (m, L) padded, log-probs (m, L), lengths (m,) and, when the sampling
         truncates and ``rollout.sampling_replay`` is on, kept-set sizes (m, L) (else None) for
@@ -428,20 +451,24 @@ class HFRolloutEngine(RolloutEngine):
         ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
         finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode steps instead
         of the model's forward when given; ``static`` (without ``turns``) runs them from its
-        static cache, finished rows kept in the batch and fed the pad id."""
+        static cache, finished rows kept in the batch and fed the pad id. ``caps`` (m,) ends
+        each row at its own token count (at most the engine's)."""
         m, device, max_new = len(ids), ids.device, params.max_new_tokens
+        if caps is not None:
+            caps = caps.to(device=device, dtype=torch.long).clamp(1, max_new)
+            max_new = int(caps.max())
         stats, start = self.last_stats, time.perf_counter()
-        fixed: StaticDecodeStep | None = None
+        record = params.truncates and self.cfg.sampling_replay
         if turns is None:
             first_real = int((mask.sum(0) > 0).long().argmax())
             ids, mask = ids[:, first_real:], mask[:, first_real:]
             positions = positions[:, first_real:]
+            if static is not None:
+                return self._decode_static(
+                    ids, mask, positions, params, max_new, seeds, caps, record, static
+                )
             cache, logits = self._prefill(ids, mask, positions, max_new)
             next_position = positions[:, -1] + 1
-            if static is not None:
-                fixed = static.step_for(m, ids.shape[1] + max_new)
-                fixed.load(cache, mask)
-                del cache
         else:
             new_cache = partial(preallocated_cache, self.model)
             cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
@@ -452,7 +479,6 @@ class HFRolloutEngine(RolloutEngine):
 
         responses = torch.full((m, max_new), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros((m, max_new), dtype=torch.float32, device=device)
-        record = params.truncates and self.cfg.sampling_replay
         kept = torch.zeros((m, max_new), dtype=torch.long, device=device) if record else None
         lengths = torch.full((m,), max_new, dtype=torch.long, device=device)
         rows = torch.arange(m, device=device)  # micro-batch row of each running row
@@ -482,6 +508,8 @@ class HFRolloutEngine(RolloutEngine):
             if kept is not None:
                 kept[live_rows, step] = sampled[2][alive]
             finished = torch.isin(tokens, self.eos_token_ids) & alive
+            if caps is not None:
+                finished |= (caps[rows] <= step + 1) & alive
             lengths[rows[finished]] = step + 1
             alive &= ~finished
             last = step + 1 == max_new or not bool(alive.any())
@@ -492,12 +520,6 @@ class HFRolloutEngine(RolloutEngine):
                     turns.keep(rows[at], at, step, cache, mask, responses)
             if last:
                 break
-            if fixed is not None:
-                logits = fixed.step(tokens.masked_fill(~alive, self.pad_token_id), next_position)
-                next_position = next_position + 1
-                stats["decode_rows"] += m
-                stats["decode_steps"] += 1
-                continue
             if self.remove_finished and not bool(alive.all()):
                 keep = alive.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
@@ -513,6 +535,38 @@ class HFRolloutEngine(RolloutEngine):
             stats["decode_steps"] += 1
         stats["decode_s"] += time.perf_counter() - decode_start
         return responses, log_probs, lengths, kept
+
+    def _decode_static(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        params: SamplingParams,
+        max_new: int,
+        seeds: torch.Tensor | None,
+        caps: torch.Tensor | None,
+        record: bool,
+        static: StaticDecoder,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``_generate_micro_batch`` from a static cache (``rollout.static_loop``): distinct
+        prompts are prefilled into a cache of their own length, copied row by row into the
+        static step's buffers, and decoded there."""
+        stats, start = self.last_stats, time.perf_counter()
+        cache, logits, rows_of = self._prefill_distinct(ids, mask, positions, ids.shape[1])
+        step = static.step_for(len(ids), ids.shape[1] + max_new)
+        step.load(cache, mask, positions[:, -1] + 1, rows_of)
+        del cache
+        if rows_of is not None:
+            logits = logits[rows_of]
+        decode_start = time.perf_counter()
+        stats["prefill_s"] += decode_start - start
+        *out, steps = static_decode(
+            step, logits, params, max_new, self.eos_token_ids, seeds, caps, record, self.generator
+        )
+        stats["decode_rows"] += len(ids) * steps
+        stats["decode_steps"] += steps
+        stats["decode_s"] += time.perf_counter() - decode_start
+        return tuple(out)
 
     def _assemble(
         self,
