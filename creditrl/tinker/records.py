@@ -2,10 +2,12 @@
 explain`` read it: one run folder per training model, ``OUT/<model id>/``.
 
 - ``metrics.jsonl`` (``creditrl.tracking.sinks.JsonlSink``): one line per ``optim_step``
-  (``step`` = optimizer steps so far): the summed metrics of the ``forward_backward`` calls
-  since the previous step (``tinker/loss``, ``tinker/tokens``, clip fraction, KL), the step's
-  ``tinker/grad_norm`` and ``tinker/learning_rate``, and the samples drawn since
-  (``tinker/sampled_tokens``, ``response_length/mean``);
+  (``step`` = optimizer steps so far), under the names the report plots: the summed loss of
+  the ``forward_backward`` calls since the previous step (``actor/pg_loss``, a sum over
+  tokens as Tinker's), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``tinker/tokens``,
+  ``tinker/datums``, the step's ``actor/grad_norm`` and ``actor/lr``, the samples drawn since
+  (``tinker/sampled_tokens``, ``response_length/mean``) and the worker's seconds per call
+  kind (``timing_s/forward_backward``, ``timing_s/optim_step``, ``timing_s/sample``);
 - ``rollouts/step_NNNNNN.jsonl`` (``creditrl.tracking.rollout_dump.RolloutDumper``): the
   datums trained on at that step, each split into a prompt (up to its first position with a
   non-zero advantage or weight) and a response, with per-token ``response_mask`` (1 on the
@@ -28,6 +30,19 @@ from creditrl.tracking.sinks import JsonlSink
 __all__ = ["RunRecord"]
 
 DUMP_ROWS = 4  # datums per step with per-token values
+# Tinker metric name -> the name creditrl's report plots (verl's); others become tinker/<name>
+NAMES = {
+    "loss": "actor/pg_loss",
+    "pg_clipfrac": "actor/pg_clipfrac",
+    "ppo_kl": "actor/ppo_kl",
+    "grad_norm": "actor/grad_norm",
+    "learning_rate": "actor/lr",
+}
+
+
+def _name(key: str) -> str:
+    name = key.partition(":")[0]
+    return NAMES.get(name, f"tinker/{name}")
 
 
 def _split(datum: Datum) -> int:
@@ -93,12 +108,16 @@ class RunRecord:
         self.samples = 0
         self.sampled_tokens = 0
 
+    def timed(self, stage: str, seconds: float) -> None:
+        """Worker seconds spent on ``stage`` (forward_backward, optim_step, sample)."""
+        slot = f"timing_s/{stage}"
+        self.pending[slot] = self.pending.get(slot, 0.0) + seconds
+
     def trained(self, datums: Sequence[Datum], loss_fn: str, metrics: dict[str, float]) -> None:
         """A forward_backward call: its metrics add up until the next step; its datums are
         dumped then."""
         for key, value in metrics.items():
-            name, _, reduction = key.partition(":")
-            slot = f"tinker/{name}"
+            slot, reduction = _name(key), key.partition(":")[2]
             if reduction == "mean":
                 self.pending[slot] = value
             else:
@@ -116,7 +135,7 @@ class RunRecord:
         """An optim_step: write the step's line and dump its datums."""
         self.step += 1
         row = dict(self.pending)
-        row.update({f"tinker/{k.partition(':')[0]}": v for k, v in metrics.items()})
+        row.update({_name(k): v for k, v in metrics.items()})
         if self.samples:
             row["tinker/sampled_tokens"] = float(self.sampled_tokens)
             row["response_length/mean"] = self.sampled_tokens / self.samples

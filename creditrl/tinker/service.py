@@ -284,9 +284,11 @@ class Service:
         policy, record = self.trainee(request.model_id)
 
         def job() -> ProtoResult:
+            start = time.perf_counter()
             logprobs, metrics = policy.forward_backward(
                 request.data, request.loss_fn, request.config, request.forward_only
             )
+            record.timed("forward_backward", time.perf_counter() - start)
             if not request.forward_only:
                 record.trained(request.data, request.loss_fn, metrics)
             body = encode_forward_backward_output({"logprobs": logprobs}, metrics, len(logprobs))
@@ -310,7 +312,9 @@ class Service:
         )
 
         def job() -> dict:
+            start = time.perf_counter()
             metrics = policy.optim_step(step)
+            record.timed("optim_step", time.perf_counter() - start)
             record.stepped(metrics)
             return {"type": "optim_step", "metrics": metrics}
 
@@ -555,6 +559,7 @@ class Service:
         sampler, params = group[0].sampler, group[0].params
         policy = self.policy(sampler.model_id)
         record = self.records.get(sampler.model_id)
+        start = time.perf_counter()
         with policy.using(sampler.adapters, sampler.version):
             samples = policy.sample([(w.prompt, w.num, w.seed) for w in group], params)
             results = []
@@ -566,6 +571,8 @@ class Service:
                 if record is not None:
                     record.sampled([len(s.tokens) for s in sequences])
                 results.append(ProtoResult(encode_sample_response(sequences, scored)))
+        if record is not None:
+            record.timed("sample", time.perf_counter() - start)
         return results
 
     def close(self) -> None:
