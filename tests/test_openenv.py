@@ -159,3 +159,28 @@ def test_the_example_trains_two_steps_in_process(tmp_path: Path) -> None:
     for s in steps:
         assert s["agent/episodes_ok"] == 4
         assert 1.0 <= s["reward/openenv_steps_mean"] <= 3.0
+
+
+@needs_openenv
+def test_a_step_that_raises_is_a_counted_fallback_episode(tmp_path: Path) -> None:
+    """The environment's error ends that episode alone: scored reward.fallback_score,
+    ``agent_info["episode"] == "error"`` naming the exception; the others are scored as usual."""
+    env_file = tmp_path / "fragile.py"
+    env_file.write_text(
+        "from openenv.core.env_server import Action, Observation, Environment, State\n"
+        "class Say(Action):\n    text: str\n"
+        "class Heard(Observation):\n    prompt: str = ''\n"
+        "class Fragile(Environment):\n"
+        "    SUPPORTS_CONCURRENT_SESSIONS = True\n"
+        "    def reset(self, seed=None, episode_id=None, **kw): return Heard(prompt='Say hi.')\n"
+        "    def step(self, action: Say, timeout_s=None, **kw):\n"
+        "        if 'boom' in action.text: raise ValueError('the game broke')\n"
+        "        return Heard(prompt='ok', done=True, reward=1.0)\n"
+        "    @property\n    def state(self): return State()\n"
+    )
+    batch = scripted_episodes(f"{env_file}:Fragile", [["hi"], ["boom"], ["hi"], ["hi"]])
+    infos = batch["agent_info"]
+    assert [a["episode"] for a in infos] == ["ok", "error", "ok", "ok"]
+    assert "the game broke" in infos[1]["episode_error"]
+    assert batch["extra_info"][1]["program_reward"] == -1.0
+    assert batch["extra_info"][0]["program_reward"]["score"] == 1.0
