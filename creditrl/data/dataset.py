@@ -9,6 +9,7 @@ from typing import Any
 
 from creditrl.batch import Batch
 from creditrl.data.collate import collate_prompts
+from creditrl.data.render_bound import RenderTimeout, time_bound
 from creditrl.data.rows import PromptRow
 from creditrl.data.teacher import teacher_messages
 from creditrl.errors import ConfigError, DataError
@@ -19,14 +20,17 @@ __all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids", "max_token_char
 logger = logging.getLogger(__name__)
 
 OVERLONG_MODES = ("drop", "raise")
+RENDER_TIME_S = 5.0  # one prompt's render: the budget of the template's load-time check
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template, ending with the
-    generation prompt (``add_generation_prompt=True``)."""
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    generation prompt (``add_generation_prompt=True``); RenderTimeout past ``RENDER_TIME_S``
+    (``creditrl.data.render_bound``)."""
+    with time_bound(RENDER_TIME_S):
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -65,6 +69,9 @@ class PromptDataset:
     linear in its characters; when every prompt is too long, DataError names ``origin``
     (where the rows came from, e.g. the files) and the shortest length.
     ``num_dropped_overlap`` counts task rows dropped for repeating validation.
+    A prompt the chat template does not render within ``RENDER_TIME_S`` (a template whose work
+    explodes on its content) is dropped, counted (``num_dropped_unrenderable``) and logged;
+    when no prompt is left, DataError names the template.
     """
 
     def __init__(
@@ -95,6 +102,8 @@ class PromptDataset:
         self.num_dropped_overlong = 0
         self.num_dropped_overlap = 0
         self.num_unprivileged = 0
+        self.num_dropped_unrenderable = 0
+        template = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the model'}"
         self._rows: list[dict[str, Any]] = []
         shortest_overlong: int | None = None
         most_chars = max_prompt_length * max_token_chars(tokenizer)
@@ -111,6 +120,10 @@ class PromptDataset:
                 continue
             try:
                 ids = chat_prompt_ids(tokenizer, row.messages)
+            except RenderTimeout as e:
+                self.num_dropped_unrenderable += 1
+                logger.warning("%s: dropped: %s %s", row.source, template, e)
+                continue
             except Exception as e:
                 raise DataError(
                     f"{row.source}: the chat template failed: {type(e).__name__}: {one_line(e)}"
@@ -172,6 +185,11 @@ class PromptDataset:
             )
         if not rows:
             raise DataError(f"{origin or split}: no prompts")
+        if not self._rows and self.num_dropped_unrenderable:
+            raise DataError(
+                f"{origin or split}: {template} did not render within {RENDER_TIME_S:g} s on "
+                f"{self.num_dropped_unrenderable} of {len(rows)} prompts, and no prompt is left"
+            )
         if not self._rows:
             shortest = (
                 f"shortest: {shortest_overlong}"
