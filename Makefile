@@ -37,8 +37,9 @@ test: $(STAMP)
 	./scripts/install_chromium.sh || true  # headless Chromium for the HTML tests (else they skip)
 	$(PY) -m pytest
 
-test-gpu: $(STAMP)  ## the tests marked gpu (each skips, saying why, where CUDA is absent)
-	$(PY) -m pytest -m gpu -rs
+test-gpu:  ## the tests marked gpu (each skips, saying why, where CUDA is absent); installs nothing,
+	@# so a GPU image's own torch is kept: .venv's Python when made, else $(PYTHON)
+	$$(test -x $(PY) && echo $(PY) || echo $(PYTHON)) -m pytest -m gpu -rs
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

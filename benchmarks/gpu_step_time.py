@@ -11,8 +11,11 @@ download), sampling at temperature 1 with no EOS, so every row runs its whole bu
 
 - ``rollout``: creditrl's HFRolloutEngine (``decode_cache=auto``: the CUDA-graph decode of
   ``rollout.cuda_graph``) against transformers' ``generate`` on the same work, ``--rows`` x
-  ``--new-tokens`` after ``--prompt-len`` prompt tokens, bf16 weights, for the SmolLM2-135M
-  shape and the Llama-3.2-1B shape; on the 135M shape also the distance of the graph's tokens
+  ``--new-tokens`` after ``--prompt-len`` prompt columns, bf16 weights, for the SmolLM2-135M
+  shape and the Llama-3.2-1B shape, each on left-padded prompts (real lengths drawn between
+  half and all of the columns, as RL prompts are padded: HF ``generate`` then gets a mask and
+  cannot use flash attention's native GQA) and on unpadded ones; ``rollout_vs_hf`` is the
+  135M shape's padded ratio; on the 135M shape also the distance of the graph's tokens
   and log-probs to the eager path's (same weights, same seed) and of its log-probs to a
   teacher-forced forward in float32 and in bf16;
 - ``update``: creditrl's actor update (ActorWorker: packed micro-batches by token budget,
@@ -147,9 +150,17 @@ def engine_for(model, rows: int, new_tokens: int, cache: str) -> HFRolloutEngine
     return HFRolloutEngine(model, stub, cfg, eos_token_ids=[])
 
 
-def prompt_batch(rows: int, length: int, vocab: int) -> Batch:
-    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
-    return Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+def prompt_batch(rows: int, length: int, vocab: int, padded: bool = False) -> Batch:
+    """``rows`` random prompts of ``length`` columns; ``padded``: left-padded with PAD, each
+    row's real length drawn uniformly in [length // 2, length]."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (rows, length), generator=generator)
+    mask = torch.ones_like(ids)
+    if padded:
+        real = torch.randint(max(length // 2, 1), length + 1, (rows,), generator=generator)
+        mask = (torch.arange(length)[None] >= length - real[:, None]).long()
+        ids = ids.masked_fill(mask == 0, PAD)
+    return Batch.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
 def rollout_part(args, device: torch.device, results: dict) -> list[str]:
@@ -163,42 +174,51 @@ def rollout_part(args, device: torch.device, results: dict) -> list[str]:
         "bf16 weights, temperature 1, no EOS; one timed run after a warm-up (creditrl: the "
         "whole call, graph capture in the warm-up; HF: an 8-token call).",
         "",
-        "| shape | HF generate s | tok/s | creditrl s | tok/s | graph | x HF | peak GB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | prompts | HF generate s | tok/s | creditrl s | tok/s | graph | x HF | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     tokens = args.rows * args.new_tokens
     for name, config in shapes:
         model = random_model(LlamaForCausalLM, config, device, torch.bfloat16)
-        prompts = prompt_batch(args.rows, args.prompt_len, config.vocab_size)
         engine = engine_for(model, args.rows, args.new_tokens, cache)
-        ids = prompts["input_ids"].to(device)
-        hf_kwargs = dict(
-            attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-            top_p=1.0, pad_token_id=PAD, eos_token_id=None,
-        )  # fmt: skip
-
-        def hf(new: int, ids=ids, model=model, hf_kwargs=hf_kwargs) -> None:
-            with torch.inference_mode():
-                model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, **hf_kwargs)
-
-        engine.generate(prompts, seed=0)
-        reset_peak(device)
-        ours_s = timed(lambda e=engine, p=prompts: e.generate(p, seed=1), device)
-        graph = "yes" if engine.last_stats.get("graph_decode") else "no"
-        peak = peak_gb(device)
-        hf(8)
-        hf_s = timed(lambda: hf(args.new_tokens), device)
-        ratio = hf_s / ours_s
-        results.setdefault("rollout_vs_hf", f"{ratio:.2f}")  # the 135M shape's
-        lines.append(
-            f"| {name} | {hf_s:.2f} | {tokens / hf_s:,.0f} | {ours_s:.2f} | "
-            f"{tokens / ours_s:,.0f} | {graph} | {ratio:.2f} | {peak} |"
-        )
+        for padded in (True, False):
+            prompts = prompt_batch(args.rows, args.prompt_len, config.vocab_size, padded)
+            hf_s, ours_s, graph, peak = rollout_times(args, device, model, engine, prompts)
+            ratio = hf_s / ours_s
+            results.setdefault("rollout_vs_hf", f"{ratio:.2f}")  # the 135M shape's, padded
+            lines.append(
+                f"| {name} | {'left-padded' if padded else 'unpadded'} | {hf_s:.2f} | "
+                f"{tokens / hf_s:,.0f} | {ours_s:.2f} | {tokens / ours_s:,.0f} | {graph} | "
+                f"{ratio:.2f} | {peak} |"
+            )
         if name == "SmolLM2-135M":
             exact = exactness(model, device, config.vocab_size, cache)
         del model, engine
         reset_peak(device)
     return [*lines, "", *exact]
+
+
+def rollout_times(args, device: torch.device, model, engine, prompts: Batch) -> tuple:
+    """(HF generate seconds, creditrl seconds, graph used, peak GB) on ``prompts``, each
+    after a warm-up call (creditrl's captures its graphs there)."""
+    ids = prompts["input_ids"].to(device)
+    hf_kwargs = dict(
+        attention_mask=prompts["attention_mask"].to(device), do_sample=True, temperature=1.0,
+        top_k=0, top_p=1.0, pad_token_id=PAD, eos_token_id=None,
+    )  # fmt: skip
+
+    def hf(new: int) -> None:
+        with torch.inference_mode():
+            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, **hf_kwargs)
+
+    engine.generate(prompts, seed=0)
+    reset_peak(device)
+    ours_s = timed(lambda: engine.generate(prompts, seed=1), device)
+    graph = "yes" if engine.last_stats.get("graph_decode") else "no"
+    peak = peak_gb(device)
+    hf(8)
+    hf_s = timed(lambda: hf(args.new_tokens), device)
+    return hf_s, ours_s, graph, peak
 
 
 def exactness(model, device: torch.device, vocab: int, cache: str) -> list[str]:
