@@ -39,7 +39,7 @@ def client(server: TinkerServer, monkeypatch_module):
     monkeypatch_module.setenv("TINKER_API_KEY", "tml-local")
     service_client = tinker.ServiceClient()
     yield service_client
-    service_client.close()
+    service_client.close("success")
 
 
 @pytest.fixture(scope="module")
