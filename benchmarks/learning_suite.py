@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from learning_curve import compare, read_metrics
+from machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,17 +52,6 @@ TASKS = {
     "arithmetic_hard": Task("arithmetic_hard", "val/strict_accuracy", 0.394, 10, 3),
 }
 TRL_METRIC = {"val/score": "score", "val/strict_accuracy": "strict_accuracy"}
-
-
-def cpu_flags() -> str:
-    """The CPU model and its vector/bf16 flags (what decides the speed choices)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                  if ln.startswith("model name")), platform.processor())  # fmt: skip
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])  # fmt: skip
-    wanted = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
-    return f"{model}; {' '.join(wanted)}"
 
 
 def ours(name: str, task: Task, reuse: bool) -> list[tuple[float, float]]:

@@ -40,7 +40,7 @@ def metric_rows(tmp_path: Path) -> list[dict]:
     "name,status,extra",
     [
         ("raises_first", "error", ()),
-        ("long_first_request", "error", ()),
+        ("long_first_request", "refused", ()),
     ],
 )
 def test_an_episode_without_a_model_turn_trains_scored_the_fallback(
@@ -70,6 +70,43 @@ def test_the_refusal_of_a_long_first_request_names_the_key_to_raise(tmp_path: Pa
     assert "more than data.max_prompt_length=256" in error
     assert "raise data.max_prompt_length" in error
     assert batch["num_turns"].tolist() == [0, 0]
+
+
+def test_a_spent_budget_is_a_truncation_not_an_error(worker) -> None:
+    """Turns of 16 tokens in a budget of 24: the first turn and the start of its observation
+    fill it, the next request is a 400 saying "maximum context length", and the program that
+    lets it raise is "truncated": its turn trained on, scored by the scorer, not the
+    fallback."""
+    batch = run_program(worker, "asks_until_refused")
+    assert statuses(batch) == ["truncated"] * 4
+    assert batch["num_turns"].tolist() == [1] * 4
+    assert batch["response_mask"].sum(-1).tolist() == [16] * 4
+    assert batch["attention_mask"][:, -24:].sum(-1).tolist() == [24] * 4
+    assert [info["stop_reason"] for info in batch["agent_info"]] == ["length"] * 4
+    assert all("program_reward" not in e for e in batch["extra_info"])
+    assert worker.rollout.last_metrics["agent/episodes_truncated"] == 4
+
+
+def test_failed_episodes_are_said_on_the_console_and_stop_the_run(tmp_path: Path) -> None:
+    """Every episode refused (its first request past data.max_prompt_length): each step says
+    so in one line with the reason, and agent.max_failed_steps=2 such steps stop the run in one
+    line (it would train on placeholders only)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from creditrl.errors import NothingToLearnError
+
+    out = StringIO()
+    cfg = program_config(tmp_path, "long_first_request", "trainer.total_steps=5",
+                         "agent.max_failed_steps=2")  # fmt: skip
+    with pytest.raises(NothingToLearnError, match="every episode failed in 2 steps in a row"):
+        RLTrainer(cfg, console=Console(file=out, width=400)).fit()
+    lines = [ln for ln in out.getvalue().splitlines() if "episodes failed" in ln]
+    assert len(lines) == 2
+    assert lines[0].startswith("step 1: 4 of 4 episodes failed (refused: its first request")
+    assert "data.max_prompt_length=256" in lines[0]
+    assert max(r.get("step", 0) for r in metric_rows(tmp_path)) == 2
 
 
 def _prompts(worker) -> Batch:

@@ -251,6 +251,8 @@ def test_the_environment_trains_async(tmp_path: Path) -> None:
     assert [s["step"] for s in steps] == [1, 2]
     # the rubric's total (says_answer + 0.5 x short) is the score the learner trains on
     assert all(0.0 <= s["critic/score/mean"] <= 1.5 for s in steps)
+    # its named parts, scored on the sampler, are the learner's metrics as in creditrl train
+    assert all(0.0 <= s["reward/vf_says_answer_mean"] <= 1.0 for s in steps)
 
 
 # ---- drift and broken environments ---------------------------------------------------------
@@ -349,3 +351,20 @@ def test_the_learner_takes_an_endpoint_rollouts_counts_only_as_numbers(endpoint:
     with pytest.raises(MessageError, match=r"meta\['endpoint'\]") as err:
         _check_non_tensors(group(endpoint), "group")
     assert err.value.reason == "non_tensor"
+
+
+@needs_verifiers
+def test_a_spent_budget_ends_the_rollout_scored_by_the_rubric(tmp_path: Path) -> None:
+    """Two turns in a budget of 8 tokens (the tiny model never ends a reply): the first reply
+    spends it, the second request is refused as past the context length, and verifiers ends the
+    rollout there as truncated: the rubric scores it and the episode trains, never an error."""
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    cfg = env_config(tmp_path, f"{ENVS}:two_turns", "rollout.max_response_length=8")
+    RLTrainer(cfg).fit()
+    (step,) = step_metrics(tmp_path)
+    assert step["agent/episodes_ok"] == 4 and "agent/episodes_error" not in step
+    assert step["agent/stop_length"] == 1.0
+    assert step["endpoint/refused"] >= 4
+    assert 0.0 <= step["reward/vf_says_answer_mean"] <= 1.0
+    assert step["response_length/mean"] == 8

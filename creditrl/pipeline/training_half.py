@@ -15,6 +15,7 @@ from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.pipeline.step import StepPipeline
 from creditrl.plain_text import as_text
+from creditrl.rewards.manager import extra_means
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import (
     compute_data_metrics,
@@ -67,19 +68,27 @@ class TrainingHalf:
         return batch, metrics
 
     def scored_elsewhere_metrics(self, batch: Batch) -> dict[str, float]:
-        """What ``creditrl train`` logs from its structured reward and a batch scored elsewhere
-        (an async sampler's groups) carries the inputs of: the tool-use shares
-        ``agent/called_tool`` and ``agent/tool_then_correct`` (``tool_use_metrics``), from the
-        trajectories' tool calls and global rewards."""
+        """What ``creditrl train`` logs from its reward stage and a batch scored elsewhere (an
+        async sampler's groups) carries the inputs of: ``reward/<key>_mean`` of the scorer's
+        numeric extras (an environment's rubric parts, ``reward/vf_*``: ``extra_means``) and,
+        with the structured reward, the tool-use shares ``agent/called_tool`` and
+        ``agent/tool_then_correct`` (``tool_use_metrics``) from the trajectories' tool calls
+        and global rewards."""
+        metrics: dict[str, float] = {}
+        if "reward_extra_info" in batch:
+            rows = [r if isinstance(r, dict) else {} for r in batch["reward_extra_info"]]
+            keys = dict.fromkeys(k for r in rows for k in r)
+            metrics.update(extra_means({k: [r.get(k) for r in rows] for k in keys}))
         if not self.pipeline.plan.structured_reward or "tool_calls" not in batch:
-            return {}
+            return metrics
         from creditrl.agents.rewards import tool_use_metrics
 
         rewards = (
             batch["structured_rewards"] if "structured_rewards" in batch else [{}] * len(batch)
         )
         global_rewards = [r.get("global_rewards", {}) for r in rewards]
-        return tool_use_metrics(list(batch["tool_calls"]), global_rewards)[0]
+        metrics.update(tool_use_metrics(list(batch["tool_calls"]), global_rewards)[0])
+        return metrics
 
     def step_metrics(
         self, batch: Batch, timing: dict[str, float], whole: Batch | None = None

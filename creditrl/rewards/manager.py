@@ -33,7 +33,7 @@ from creditrl.rewards.pool import ScoringJob, ScoringPool
 from creditrl.rewards.registry import PROGRAM_SCORER, is_builtin, portable_spec, scorer_spec
 from creditrl.rewards.text import decode_responses, prompt_messages
 
-__all__ = ["RM_MODES", "RewardFuture", "RewardManager", "RewardResult"]
+__all__ = ["RM_MODES", "RewardFuture", "RewardManager", "RewardResult", "extra_means"]
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,17 @@ class RewardManager:
         self.close()
 
 
+def extra_means(extra: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+    """``reward/<key>_mean``: the mean of each extra column's finite numbers (a scorer dict's
+    sub-scores, an environment's rubric parts); status and error columns aside."""
+    metrics = {}
+    for key, values in extra.items():
+        nums = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+        if nums and key not in ("reward_status", "reward_error"):
+            metrics[f"reward/{key}_mean"] = sum(nums) / len(nums)
+    return metrics
+
+
 def _describe_failure(index: int, error: str, scorer: tuple[str, str]) -> str:
     """The ScoringError quote of one failure: scorer, sample, data_source and error."""
     return f"{scorer[0]} on sample {index} (data_source {scorer[1]!r}): {error}"
@@ -298,10 +309,7 @@ def _assemble(p: _Pending) -> RewardResult:
         "reward/score_min": float(scores.min()) if size else 0.0,
         "reward/score_max": float(scores.max()) if size else 0.0,
     }
-    for key, values in extra.items():
-        nums = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
-        if nums and key not in ("reward_status", "reward_error"):
-            metrics[f"reward/{key}_mean"] = sum(nums) / len(nums)
+    metrics.update(extra_means(extra))
     return RewardResult(
         token_level_scores=place_sequence_scores(scores, p.response_mask).to(torch.float32),
         scores=scores,

@@ -181,3 +181,16 @@ async def keeps_asking(row, client):
         except openai.APIStatusError as e:
             SPENT.append((e.body.get("code") if isinstance(e.body, dict) else "?", 0))
     return 1.0
+
+
+async def asks_until_refused(row, client):
+    """Three turns of up to 16 tokens each, catching nothing: with rollout.max_response_length
+    24 the third request finds the budget spent and its 400 ends the program."""
+    messages = [*row["messages"]]
+    for _ in range(3):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=16
+        )
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "Go on."}]  # fmt: skip
+    return 1.0
