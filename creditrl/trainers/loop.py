@@ -6,11 +6,11 @@ controller and the validations with it), validation on the schedule's steps
 (``creditrl.trainers.schedule``), one step (the batch, the training half with the critic
 warm-up and the health check, the step's metrics with the critic's and the agent hook, the
 rollout dump), metrics, progress (with a line for a step's failed episodes, and a stop after
-``agent.max_failed_steps`` steps of nothing else), checkpoints and the summary. A loop says where a step's
-batch comes from (``next_batch``) and what its rows' old log-probs are (``update``), and may
-act after the update (``after_update``: the learner publishes weights and acknowledges groups)
-and add metrics (``source_metrics``). Only the main process (rank 0) validates, logs, dumps and
-saves.
+``agent.max_failed_steps`` steps of nothing else), checkpoints and the summary. A loop says
+where a step's batch comes from (``next_batch``) and what its rows' old log-probs are
+(``update``), and may act after the update (``after_update``: the learner publishes weights and
+acknowledges groups) and add metrics (``source_metrics``). Only the main process (rank 0)
+validates, logs, dumps and saves.
 """
 
 from __future__ import annotations
