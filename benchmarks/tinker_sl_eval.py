@@ -4,7 +4,7 @@ The recipe logs ``train_mean_nll`` of each batch before its own update, on a dif
 each step; this script scores the same batches with the base model (a fresh LoRA client: its
 adapters start at zero) and with the recipe's final checkpoint, through the SDK against
 ``creditrl serve-tinker``. The batches are rebuilt exactly as the recipe built them (the same
-builder, file, renderer, length cap, batch size and shuffle)::
+builder, file, renderer, length cap, batch size and first-epoch shuffle)::
 
     TINKER_BASE_URL=http://127.0.0.1:8001 TINKER_API_KEY=tml-local \\
       python benchmarks/tinker_sl_eval.py LOG_PATH MODEL_DIR conversations.jsonl --batches 12
@@ -42,6 +42,7 @@ def main() -> None:
     built = builder()
     dataset = asyncio.run(built) if asyncio.iscoroutine(built) else built
     train = dataset[0]
+    train.set_epoch(seed=0)  # the recipe's first epoch's order
     lines = (args.log_path / "checkpoints.jsonl").read_text(encoding="utf-8").splitlines()
     state = [json.loads(line) for line in lines if "state_path" in line][-1]["state_path"]
     service = tinker.ServiceClient()
@@ -57,6 +58,7 @@ def main() -> None:
             loss = client.forward(data, "cross_entropy").result().metrics["loss:sum"]
             totals[name][0] += loss
             totals[name][1] += weight
+    service.close("success").result()
     for name, (loss, weight) in totals.items():
         print(f"{name}: mean NLL {loss / weight:.4f} over {args.batches} batches")
 

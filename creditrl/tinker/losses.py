@@ -13,9 +13,10 @@ policy loss of ``creditrl.core.policy_losses`` with ``loss_agg_mode="token-sum"`
   ``clip_high_threshold`` - 1 (defaults 0.8 and 1.2: ε = 0.2), dual clip off;
 - ``cispo``: the ``cispo`` loss, -sg[clip(r_t, low, high)] A_t log π_θ, same thresholds.
 
-Every loss returns the per-datum ``logprobs`` and the metrics ``loss:sum`` (and, for the
-ratio losses, ``pg_clipfrac:mean`` and ``ppo_kl:mean``). Other Tinker losses (``dro``,
-``gspo``, ``stable_reinforce``, ``custom``) are refused by name.
+Positions with advantage (or weight) 0 add nothing to these sums, so the mask passed is the
+positions trained on: the metrics ``pg_clipfrac:mean`` and ``ppo_kl:mean`` (ratio losses)
+average over them, and ``tokens:sum`` counts them; ``loss:sum`` is the summed loss. Other
+Tinker losses (``dro``, ``gspo``, ``stable_reinforce``, ``custom``) are refused by name.
 """
 
 from __future__ import annotations

@@ -246,6 +246,9 @@ class Policy:
                 if (value := _padded(part, name, width)) is not None
             }
             mask = batch["response_mask"].float()
+            trained = inputs.get("advantages", inputs.get("weights"))
+            if trained is not None:  # positions weighted 0 add nothing; metrics skip them
+                mask = mask * (trained != 0)
             with torch.set_grad_enabled(not forward_only):
                 log_prob, _ = policy_forward(self.module, batch)
                 loss, metrics = tinker_loss(loss_fn, config, log_prob, inputs, mask)

@@ -10,9 +10,10 @@ explain`` read it: one run folder per training model, ``OUT/<model id>/``.
   kind (``timing_s/forward_backward``, ``timing_s/optim_step``, ``timing_s/sample``);
 - ``rollouts/step_NNNNNN.jsonl`` (``creditrl.tracking.rollout_dump.RolloutDumper``): the
   datums trained on at that step, each split into a prompt (up to its first position with a
-  non-zero advantage or weight) and a response, with per-token ``response_mask`` (1 on the
-  trained positions), ``rollout_log_probs`` = ``old_log_probs`` (the sampler's log-probs, for
-  the ratio losses) and ``advantages`` (the advantages, or cross-entropy's weights).
+  non-zero advantage or weight, else its first sampled token) and a response, with
+  per-token ``response_mask`` (1 on the trained positions), ``rollout_log_probs`` =
+  ``old_log_probs`` (the sampler's log-probs, for the ratio losses) and ``advantages`` (the
+  advantages, or cross-entropy's weights).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def _name(key: str) -> str:
 
 
 def _split(datum: Datum) -> int:
-    """The first target position trained on (advantage or weight non-zero), else 0."""
-    for name in ("advantages", "weights"):
+    """The first target position trained on (advantage or weight non-zero), else the first
+    sampled one (sampler log-prob non-zero), else 0."""
+    for name in ("advantages", "weights", "logprobs"):
         if name in datum.inputs:
             nonzero = (datum.inputs[name] != 0).nonzero()
-            return int(nonzero[0]) if len(nonzero) else 0
+            if len(nonzero):
+                return int(nonzero[0])
     return 0
 
 
