@@ -267,3 +267,30 @@ def test_kept_set_sizes_from_a_sampler_are_checked():
     with pytest.raises(MessageError, match="rollout_kept_counts") as e:  # a run without replay
         GroupLimits(2, 10, 8, 8).check(decoded(torch.full((2, 4), 3)), "s0", 0, 0, 0)
     assert e.value.reason == "fields"
+
+
+# ---- in the rollout dump and creditrl explain --------------------------------------------------
+
+
+def test_explain_shows_the_kept_set_size_and_the_log_prob_over_it(tmp_path, tokenizer):
+    from creditrl.batch import Batch
+    from creditrl.inspect.from_run import views_from_run
+    from creditrl.tracking import RolloutDumper
+
+    prompts, responses = torch.tensor([[504, 1032]]), torch.tensor([[330, 331, 332, 2]])
+    attention = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    rollout = torch.tensor([[-0.5, -1.25, -0.75, 0.0]])
+    batch = Batch(
+        {
+            "prompts": prompts, "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
+            "response_mask": attention[:, 2:], "rollout_log_probs": rollout,
+            "rollout_kept_counts": torch.tensor([[3, 17, 1, 0]]), "old_log_probs": rollout,
+            "token_level_scores": torch.tensor([[0.0, 0.0, 1.0, 0.0]]),
+        },
+        {"uid": ["a"], "data_source": ["toy"], "ground_truth": ["1"]},
+    )  # fmt: skip
+    RolloutDumper(tmp_path, rows_per_step=1, tokenizer=tokenizer).dump(batch, step=1)
+    (view,) = views_from_run(tmp_path)
+    assert view.columns["kept"] == [3, 17, 1]
+    assert view.columns["rollout_log_prob"] == pytest.approx([-0.5, -1.25, -0.75])
