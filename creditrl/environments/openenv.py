@@ -76,6 +76,7 @@ MODEL_NAME = "creditrl-policy"
 VAL_SEED_OFFSET = 1_000_000
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 SERVER_START_S = 60.0  # how long a served app may take to answer /health
+RESET_S = 60.0  # how long one reset() may take while the rows are built
 CAPACITY_RETRY_S = 0.05  # wait before asking a full server for a session again
 NOT_TEXT = ("done", "reward", "metadata")  # observation fields that are not its text
 
@@ -215,7 +216,10 @@ class ServerTarget(OpenEnvTarget):
         from openenv.core import GenericEnvClient
 
         while True:
-            client = GenericEnvClient(base_url=self.base_url)
+            # the episode's own timeout (agent.episode_timeout_s) bounds every wait
+            client = GenericEnvClient(
+                base_url=self.base_url, connect_timeout_s=60.0, message_timeout_s=None
+            )
             try:
                 await client.connect()
                 break
@@ -366,13 +370,18 @@ def _first_observations(target: OpenEnvTarget, seeds: list[int]) -> list[str]:
 
     async def collect() -> list[str]:
         async with target.session() as session:
-            return [observation_text((await session.reset(seed)).observation) for seed in seeds]
+            return [
+                observation_text((await asyncio.wait_for(session.reset(seed), RESET_S)).observation)
+                for seed in seeds
+            ]
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         try:
             return pool.submit(asyncio.run, collect()).result()
         except (ConfigError, DataError, UserCodeError):
             raise
+        except TimeoutError:
+            raise UserCodeError(f"env.openenv: a reset() took over {RESET_S:.0f} s") from None
         except Exception as e:
             raise UserCodeError(
                 f"env.openenv: reset() raised {type(e).__name__}: {one_line(e, 200)}"
