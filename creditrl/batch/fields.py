@@ -157,11 +157,15 @@ _SPECS = [
     ),
     FieldSpec(
         "old_log_probs", "(B, T)", "float32",
-        f"{_TOK}, under the actor before this update (π_old)", "actor.compute_log_prob",
+        f"{_TOK}, under the actor before this update (π_old); over the kept set when the batch "
+        "holds rollout_kept_counts (sampling replay)",
+        "actor.compute_log_prob",
     ),
     FieldSpec(
         "ref_log_prob", "(B, T)", "float32",
-        f"{_TOK}, under the frozen reference policy", "ref.compute_log_prob",
+        f"{_TOK}, under the frozen reference policy; over the n largest of its logits when the "
+        "batch holds rollout_kept_counts (sampling replay)",
+        "ref.compute_log_prob",
         wire="optional", kind="log_prob",
     ),
     FieldSpec(
@@ -180,7 +184,9 @@ _SPECS = [
     ),
     FieldSpec(
         "entropys", "(B, T)", "float32",
-        "entropy of π_old(· | s_{j+1}) at column j", "actor.compute_log_prob",
+        "entropy of π_old(· | s_{j+1}) at column j; of π_old renormalised over the kept set when "
+        "the batch holds rollout_kept_counts (sampling replay)",
+        "actor.compute_log_prob",
     ),
     FieldSpec(
         "values", "(B, T)", "float32",
