@@ -344,17 +344,15 @@ def load_openenv_environment(env_cfg: EnvConfig) -> OpenEnvTarget:
 
 def _load(spec: str, kwargs: dict[str, Any]) -> OpenEnvTarget:
     env_server = _openenv()
-    if spec.startswith(URL_SCHEMES):
-        return ServerTarget(spec, spec)
-    obj = load_user_object(spec, "env.openenv")
+    served = spec.startswith(URL_SCHEMES)
+    obj = None if served else load_user_object(spec, "env.openenv")
     if isinstance(obj, type) and issubclass(obj, env_server.Environment):
         return InProcessTarget(obj, kwargs, spec)
-    if hasattr(obj, "router") and hasattr(obj, "routes"):  # an ASGI app (FastAPI)
-        if kwargs:
-            raise ConfigError(
-                f"env.kwargs: {spec} is a served app, which takes no keyword arguments"
-            )
-        return ServerTarget(serve_app(spec), spec)
+    served = served or (hasattr(obj, "router") and hasattr(obj, "routes"))  # an ASGI app
+    if served and kwargs:
+        raise ConfigError(f"env.kwargs: {spec} is a server, which takes no keyword arguments")
+    if served:
+        return ServerTarget(spec if obj is None else serve_app(spec), spec)
     raise UserCodeError(
         f"env.openenv: {spec} is a {type(obj).__name__}, not an OpenEnv Environment subclass "
         "or the app create_app made"
