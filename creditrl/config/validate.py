@@ -78,6 +78,13 @@ def _strategy(cfg: Config) -> Any:
     return strategy_traits(cfg)
 
 
+def _autocast(cfg: Config) -> str:
+    """What ``actor.autocast`` resolves to for this config's update ('bf16' or 'none')."""
+    from creditrl.workers.placement import update_autocast
+
+    return update_autocast(cfg)
+
+
 def _engine_traits(cfg: Config) -> Any:
     """What the configured engine declared (``register_rollout_engine``); the defaults for a
     name not registered (refused elsewhere)."""
@@ -294,6 +301,13 @@ def _check_combinations(cfg: Config) -> None:
             "rollout.engine_kwargs.decode_cache=static decodes from a preallocated KV cache, "
             "which cannot keep a turn's KV for the next (agent.keep_kv_cache=true); set "
             "agent.keep_kv_cache=false or decode_cache=auto"
+        )
+    if cfg.rollout.engine_kwargs.get("sample_dtype") == "bfloat16" and _autocast(cfg) != "bf16":
+        raise ConfigError(
+            "rollout.engine_kwargs.sample_dtype=bfloat16 samples from a bf16 copy whose "
+            "log-probs are not the update's, and actor.autocast resolves to none here (the "
+            "update would reuse them as old_log_probs): set actor.autocast=bf16 or "
+            "sample_dtype=model"
         )
     if not cfg.data.task and not cfg.data.train_files:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")

@@ -57,6 +57,7 @@ from creditrl.rollout.cuda_graph import StaticDecoder, static_decode_unsupported
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
+from creditrl.rollout.sampler_copy import SamplerCopy
 from creditrl.rollout.sampling import (
     SamplingParams,
     counter_uniforms,
@@ -69,7 +70,14 @@ from creditrl.rollout.static_loop import static_decode
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
 
-__all__ = ["DECODE_CACHE", "FAST_DECODE", "TREE_PREFILL", "HFRolloutEngine", "prompt_keys"]
+__all__ = [
+    "DECODE_CACHE",
+    "FAST_DECODE",
+    "SAMPLE_DTYPE",
+    "TREE_PREFILL",
+    "HFRolloutEngine",
+    "prompt_keys",
+]
 
 _PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
 _STATS = ("prefill_s", "decode_s", "prefill_rows", "prefill_tokens", "decode_rows", "decode_steps")
@@ -89,6 +97,17 @@ DECODE_CACHE = Option(
     choices=("auto", "static", "dynamic"),
 )
 """The engine's option ``rollout.engine_kwargs.decode_cache`` (``rollout.cuda_graph``)."""
+
+SAMPLE_DTYPE = Option(
+    "sample_dtype",
+    "model",
+    "'model': sample with the actor's module as it is (its log-probs are the actor's); "
+    "'bfloat16': with a bf16 copy refreshed in place before each call (half the bytes a decode "
+    "step reads; its log-probs are the copy's, so it needs the update under bf16 autocast, "
+    "where old_log_probs are recomputed)",
+    choices=("model", "bfloat16"),
+)
+"""The engine's option ``rollout.engine_kwargs.sample_dtype`` (``rollout.sampler_copy``)."""
 
 
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -134,7 +153,7 @@ class HFRolloutEngine(RolloutEngine):
     samples_with_actor_module = True
     exact_log_probs = True
     records_kept_set = True
-    options = (DECODE_CACHE,)
+    options = (DECODE_CACHE, SAMPLE_DTYPE)
 
     def __init__(
         self,
@@ -170,6 +189,9 @@ class HFRolloutEngine(RolloutEngine):
         if decode_cache is None:
             decode_cache = cfg.engine_kwargs.get(DECODE_CACHE.name, DECODE_CACHE.default)
         self.decode_cache = DECODE_CACHE.check(decode_cache, "rollout.engine_kwargs.decode_cache")
+        sample_dtype = cfg.engine_kwargs.get(SAMPLE_DTYPE.name, SAMPLE_DTYPE.default)
+        sample_dtype = SAMPLE_DTYPE.check(sample_dtype, "rollout.engine_kwargs.sample_dtype")
+        self._copy = SamplerCopy(torch.bfloat16) if sample_dtype == "bfloat16" else None
         self._static: list[StaticDecoder] = []  # shared with capped() views
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
@@ -261,6 +283,24 @@ class HFRolloutEngine(RolloutEngine):
         return view
 
     def _sample(
+        self,
+        prompts: Batch,
+        greedy: bool,
+        temperature: float | None,
+        keys: list[Hashable | None] | None = None,
+        turn_cache: TurnKVCache | None = None,
+    ) -> Batch:
+        """``_sample_with_model`` with ``model`` the module sampled with: the actor's, or its
+        bf16 copy refreshed in place (``sample_dtype=bfloat16``, ``rollout.sampler_copy``)."""
+        if self._copy is None:
+            return self._sample_with_model(prompts, greedy, temperature, keys, turn_cache)
+        master, self.model = self.model, self._copy.refreshed(self.model)
+        try:
+            return self._sample_with_model(prompts, greedy, temperature, keys, turn_cache)
+        finally:
+            self.model = master
+
+    def _sample_with_model(
         self,
         prompts: Batch,
         greedy: bool,
