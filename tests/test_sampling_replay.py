@@ -294,3 +294,48 @@ def test_explain_shows_the_kept_set_size_and_the_log_prob_over_it(tmp_path, toke
     (view,) = views_from_run(tmp_path)
     assert view.columns["kept"] == [3, 17, 1]
     assert view.columns["rollout_log_prob"] == pytest.approx([-0.5, -1.25, -0.75])
+
+
+# ---- end to end: a truncated-sampling run trains the policy that sampled -------------------------
+
+
+def _first_step(out) -> tuple[dict, dict]:
+    import json
+
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    dump = json.loads((out / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    return metrics, dump["per_token"]
+
+
+REPLAY_RUN = (
+    "data.train_size=8", "data.val_size=0", "trainer.total_steps=1", "trainer.save_freq=0",
+    "trainer.test_freq=0", "trainer.val_before_train=false", "rollout.max_response_length=8",
+    "reward.num_workers=0", "rollout.top_p=0.9", "rollout.min_p=0.05",
+    "actor.use_rollout_log_probs=true", "actor.use_kl_loss=true",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_top_p_run_reuses_the_samplers_log_probs_and_starts_at_ratio_one(tmp_path, mode):
+    from helpers import tiny_learner_config, tiny_trainer_config, train_async_in_process
+
+    from creditrl.asynchronous.launcher import free_port
+
+    if mode == "sync":
+        from creditrl.trainers.rl_trainer import RLTrainer
+
+        cfg = tiny_trainer_config(tmp_path, *REPLAY_RUN)
+        RLTrainer(cfg).fit()
+    else:
+        from creditrl.asynchronous.learner import Learner
+
+        cfg = tiny_learner_config(tmp_path, *REPLAY_RUN, "asynchronous.max_staleness=0")
+        learner = Learner(cfg, port=free_port())
+        train_async_in_process(learner, cfg)
+    metrics, per_token = _first_step(tmp_path)
+    kept = per_token["rollout_kept_counts"]
+    assert all(k >= 1 for k, m in zip(kept, per_token["response_mask"], strict=True) if m)
+    # the old log-probs are the sampler's (reused: they are the actor's), so ratio 1 at first
+    assert per_token["old_log_probs"] == per_token["rollout_log_probs"]
+    assert metrics["health/first_minibatch_clipfrac"] == 0.0
+    assert abs(metrics["health/first_minibatch_ppo_kl"]) < 1e-5
