@@ -17,6 +17,12 @@ that have not shown the key are dropped for a new one, and a new one is refused 
 connection has shown it (``refused["connection_dropped"]``, ``refused["connection_refused"]``).
 The limit is applied as each connection is accepted, to those already set up, so one burst of
 at most ``BACKLOG`` connections accepted together may pass it until the next accept.
+
+The episodes' own clients (``http_client()``) connect through a private Unix socket instead
+(Linux), in a folder only this user can enter, and a connection there from another process
+(``SO_PEERCRED``) is closed at once: their connections are neither counted against
+``max_connections`` nor dropped, so a local process flooding the port with keyless
+connections cannot cost an episode its own, not yet keyed, connection.
 """
 
 from __future__ import annotations
@@ -25,7 +31,12 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import secrets
+import shutil
+import socket
+import struct
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -70,6 +81,48 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+class _OwnProcess(asyncio.Protocol):
+    """A connection to the private socket: handed to ``inner`` (the HTTP server's protocol)
+    if it comes from this process, closed otherwise."""
+
+    def __init__(self, inner: asyncio.Protocol, own: set[Any]) -> None:
+        self.inner: asyncio.Protocol | None = inner
+        self.own = own
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        pid = -1
+        if sock is not None:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", creds)[0]
+        if pid != os.getpid() or self.inner is None:
+            self.inner = None
+            transport.close()
+            return
+        self.own.add(self.inner)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.inner is None else self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.own.discard(self.inner)
+            self.inner.connection_lost(exc)
+
+
 class Endpoint:
     """The server; ``start()`` binds ``host:port`` (0: a free port) and serves on a daemon
     thread until ``close()``. ``known(trajectory)`` says which trajectory ids are live;
@@ -100,6 +153,9 @@ class Endpoint:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self._keyed: set[Any] = set()  # connections (protocols) that have shown the key
+        self._own: set[Any] = set()  # connections of this process's clients (private socket)
+        self._private: asyncio.AbstractServer | None = None
+        self._socket_dir: str | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def base_url(self, trajectory: str) -> str:
@@ -142,12 +198,33 @@ class Endpoint:
                 f"{self.host}:{self.port} ({why}); choose another port, or 0 for a free one"
             ) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        if hasattr(socket, "SO_PEERCRED"):
+            self._socket_dir = tempfile.mkdtemp(prefix="creditrl-endpoint-")  # mode 0700
+            self._private = await self.loop.create_unix_server(
+                lambda: _OwnProcess(self._runner.server(), self._own),  # type: ignore[union-attr]
+                os.path.join(self._socket_dir, "s"),
+                backlog=BACKLOG,
+            )
+
+    def http_client(self) -> Any:
+        """An ``httpx.AsyncClient`` for this process's episodes: through the private socket
+        where there is one (module docstring), else the port."""
+        import httpx
+
+        if self._socket_dir is None:
+            return httpx.AsyncClient()
+        uds = os.path.join(self._socket_dir, "s")
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=uds))
 
     def _accept(self) -> asyncio.BaseProtocol:
         """A new connection's protocol, within ``max_connections`` (module docstring)."""
         assert self._runner is not None and self._runner.server is not None
         server = self._runner.server
-        open_now = [c for c in server.connections if c.transport and not c.transport.is_closing()]
+        open_now = [
+            c
+            for c in server.connections
+            if c.transport and not c.transport.is_closing() and c not in self._own
+        ]
         self._keyed &= set(open_now)
         excess = len(open_now) + 1 - self.max_connections
         for conn in [c for c in open_now if c not in self._keyed][: max(excess, 0)]:
@@ -223,9 +300,15 @@ class Endpoint:
         if self._server is not None:
             self.loop.call_soon_threadsafe(self._server.close)
             self._server = None
+        if self._private is not None:
+            self.loop.call_soon_threadsafe(self._private.close)
+            self._private = None
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
             self._runner = None
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None

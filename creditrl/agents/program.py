@@ -273,7 +273,7 @@ class ProgramRollout(EngineRollout):
         assert endpoint is not None
         client = AsyncOpenAI(
             base_url=endpoint.base_url(name), api_key=endpoint.key, max_retries=0,
-            timeout=self.cfg.episode_timeout_s,
+            timeout=self.cfg.episode_timeout_s, http_client=endpoint.http_client(),
         )  # fmt: skip
         try:
             return await self.program(row, client)

@@ -245,15 +245,9 @@ class VerifiersProgram:
         self.sampling_args = {k: own[k] for k in SAMPLING_KEYS if own.get(k) is not None}
 
     async def __call__(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
-        """The episode's rollout, run on the environment's event loop with a client of its
-        own there (the same trajectory, key and timeout as ``client``)."""
-        from openai import AsyncOpenAI
-
-        own = AsyncOpenAI(
-            base_url=str(client.base_url), api_key=client.api_key, max_retries=0,
-            timeout=client.timeout,
-        )  # fmt: skip
-        return await loop_of(self.env).run(self._rollout(row, own))
+        """The episode's rollout, run on the environment's event loop with a copy of
+        ``client`` (its connections opened, used and closed there)."""
+        return await loop_of(self.env).run(self._rollout(row, client.copy()))
 
     async def _rollout(self, row: Mapping[str, Any], client: Any) -> dict[str, Any]:
         try:
