@@ -50,3 +50,12 @@ def test_a_template_that_renders_no_row_in_time_is_one_line(tokenizer) -> None:
     message = str(raised.value)
     assert "\n" not in message and "chat template" in message
     assert str(tiny_model_dir()) in message and "did not render within 0.2 s" in message
+
+
+def test_a_teacher_prompt_past_its_time_drops_and_counts_the_row(tokenizer) -> None:
+    """The distillation teacher's prompt (here: the ground truth shown to it) is rendered under
+    the same bound."""
+    rows = [_row("What is 1 + 1?", 1), _row("What is 2 + 2?", 2)]
+    rows[1].ground_truth = "BOOM"
+    data = PromptDataset(rows, tokenizer, 256, "drop", "train", "data.train_files", "ground_truth")
+    assert [r["source"] for r in data] == ["row 1"] and data.num_dropped_unrenderable == 1

@@ -142,7 +142,12 @@ class PromptDataset:
             if teacher_prompt != "same":
                 teacher = teacher_messages(row, teacher_prompt)
                 self.num_unprivileged += teacher is None
-                teacher_ids = ids if teacher is None else chat_prompt_ids(tokenizer, teacher)
+                try:
+                    teacher_ids = ids if teacher is None else chat_prompt_ids(tokenizer, teacher)
+                except RenderTimeout as e:
+                    self.num_dropped_unrenderable += 1
+                    logger.warning("%s: dropped: %s %s (teacher prompt)", row.source, template, e)
+                    continue
                 extra["teacher_prompt_ids"] = teacher_ids
                 if len(extra["teacher_prompt_ids"]) > max_prompt_length:
                     if overlong_prompt == "raise":
