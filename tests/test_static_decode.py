@@ -472,6 +472,7 @@ def test_cuda_graph_samples_what_the_eager_path_samples(model, tokenizer, dtype,
         built = graphed._static[0].built if graphed._static else 0
         out = graphed.generate(prompts, seed=2, greedy=greedy)
         assert graphed.last_stats["graph_decode"] == 1.0
+        assert graphed.last_stats["graph_fallbacks"] == 0.0
         if update:
             assert graphed._static[0].built == built
         same_step = eager.generate(prompts, seed=2, greedy=greedy)
@@ -508,3 +509,30 @@ def test_cuda_graph_decodes_a_few_kv_head_qwen2(tokenizer):
     torch.testing.assert_close(
         out["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-4, rtol=0
     )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_sampler_copy_is_captured_and_refreshed_in_place(model, tokenizer):
+    """On CUDA a float32 master sampled through its bf16 copy (sample_dtype=bfloat16): the
+    graphs are captured over the copy, survive an in-place update of the master (refreshed
+    by copy_, not re-captured), and its samples are those of the master rounded to bf16."""
+    master = copy.deepcopy(model).to("cuda")
+    prompts = prompt_batch(PROMPTS, repeat=3)
+    rollout = tiny_hf_engine(
+        master, tokenizer, eos_token_ids=STOP_IDS,
+        engine_kwargs={"decode_cache": "auto", "sample_dtype": "bfloat16"},
+    )  # fmt: skip
+    rollout.generate(prompts, seed=2)
+    assert rollout.last_stats["graph_decode"] == 1.0
+    decoder = rollout._static[0]
+    built = decoder.built
+    with torch.no_grad():
+        for param in master.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    out = rollout.generate(prompts, seed=2)
+    assert decoder.built == built and rollout.last_stats["graph_fallbacks"] == 0.0
+    rounded = copy.deepcopy(master).to(torch.bfloat16)
+    reference = static_engine(rounded, tokenizer, "dynamic").generate(prompts, seed=2)
+    same = agreeing_prefix(out, reference)
+    assert same[:, :2].all() and same.float().mean() > 0.5
