@@ -85,7 +85,7 @@ def sample(model_name: str, batch_file: Path) -> dict:
              "kept_median": float(batch[KEPT][mask].float().median()),
              "kept_max": int(batch[KEPT][mask].max())}  # fmt: skip
     for name, replay in (("off", False), ("on", True)):
-        b = batch if replay else batch.select(*[k for k in batch.tensors.keys() if k != KEPT])
+        b = batch if replay else batch.select(*[k for k in batch.tensors if k != KEPT])
         old, _ = worker.compute_log_prob(b, cfg.rollout.temperature, with_entropy=False)
         rho = torch.exp(old - batch["rollout_log_probs"])[mask]
         stats[name] = {
