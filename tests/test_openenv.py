@@ -41,7 +41,7 @@ def step_metrics(out: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("step", 0) > 0]
 
 
-def scripted_episodes(target: str, replies: list[list[str]]) -> Any:
+def scripted_episodes(target: str, replies: list[list[str]], *extra: str) -> Any:
     """The rollout Batch of four episodes (two prompts, each twice) whose turns are forced to
     ``replies[episode]`` (texts, each ended by EOS)."""
     from creditrl.agents.program import ProgramRollout
@@ -54,7 +54,7 @@ def scripted_episodes(target: str, replies: list[list[str]]) -> Any:
     )
 
     tok = load_tokenizer(tiny_model_dir())
-    cfg = env_config(Path("unused"), target, "rollout.max_response_length=96")
+    cfg = env_config(Path("unused"), target, "rollout.max_response_length=96", *extra)
     train, _ = environment_datasets(cfg, tok)
     eos = tok.eos_token_id
     scripts = [[[*tok.encode(t, add_special_tokens=False), eos] for t in r] for r in replies]
@@ -202,3 +202,18 @@ def test_the_served_example_trains_async(tmp_path: Path) -> None:
     train_async_in_process(Learner(cfg, port=free_port()), cfg)
     (step,) = step_metrics(tmp_path)
     assert step["agent/episodes_ok"] == 4 and 1.0 <= step["reward/openenv_steps_mean"] <= 2.0
+
+
+@needs_openenv
+def test_a_spent_budget_ends_the_episode_scored_not_as_an_error() -> None:
+    """rollout.max_response_length runs out after the first guess and its hint: the episode
+    ends there (the endpoint refuses or answers empty), is scored and trained on, never an
+    error."""
+    wrong = " ".join(["3"] * 12)
+    batch = scripted_episodes(
+        f"{GUESS}:GuessEnvironment", [[wrong, "4"]] * 4, "rollout.max_response_length=16"
+    )
+    assert [a["episode"] for a in batch["agent_info"]] == ["ok"] * 4
+    rewards = [e["program_reward"] for e in batch["extra_info"]]
+    assert all(r["score"] == 0.0 and r["openenv_steps"] >= 1.0 for r in rewards)
+    assert int(batch["response_mask"].sum()) > 0
