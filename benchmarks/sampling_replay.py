@@ -85,7 +85,7 @@ def sample(model_name: str, batch_file: Path) -> dict:
              "kept_median": float(batch[KEPT][mask].float().median()),
              "kept_max": int(batch[KEPT][mask].max())}  # fmt: skip
     for name, replay in (("off", False), ("on", True)):
-        b = batch if replay else batch.select(*[k for k in batch.tensors if k != KEPT])
+        b = batch if replay else batch.select(*[k for k in list(batch.tensors.keys()) if k != KEPT])
         old, _ = worker.compute_log_prob(b, cfg.rollout.temperature, with_entropy=False)
         rho = torch.exp(old - batch["rollout_log_probs"])[mask]
         stats[name] = {
@@ -117,7 +117,7 @@ def cost(model_name: str, batch_file: Path, replay: bool) -> dict:
     n = cfg.rollout.n
     scores = torch.arange(len(batch), dtype=torch.float32) % 3
     grouped = scores.view(-1, n)
-    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6))
+    adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
     batch["advantages"] = adv.reshape(-1, 1) * batch["response_mask"]
     start = time.perf_counter()
     metrics = worker.update_policy(batch, temperature, n_per_prompt=n)
