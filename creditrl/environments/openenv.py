@@ -23,8 +23,9 @@ Episode: ``reset(seed)``, then per turn the policy's reply through creditrl's en
 (``creditrl.agents.program``: token-exact, observations masked), the reply's text as the
 action, ``step(action)``, the observation's text as the next user message; until the
 observation is ``done``, ``env.max_steps`` steps were taken, or the trajectory's token budget
-is spent. The score is the sum of the step rewards; ``openenv_steps`` and ``openenv_done`` are
-metrics (``reward/openenv_steps_mean``, ...).
+or context is spent (the endpoint's "budget_exhausted" or "context_too_long"). The score is
+the sum of the step rewards; ``openenv_steps`` and ``openenv_done`` are metrics
+(``reward/openenv_steps_mean``, ...).
 
 Text <-> OpenEnv types: the reply's text fills the action's one string field (the action schema
 may have ``metadata`` and optional fields besides); an action with another shape is refused
@@ -78,6 +79,7 @@ URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 SERVER_START_S = 60.0  # how long a served app may take to answer /health
 RESET_S = 60.0  # how long one reset() may take while the rows are built
 CAPACITY_RETRY_S = 0.05  # wait before asking a full server for a session again
+LENGTH_CODES = ("budget_exhausted", "context_too_long")  # the endpoint's "no room left"
 NOT_TEXT = ("done", "reward", "metadata")  # observation fields that are not its text
 
 _lock = threading.Lock()
@@ -426,8 +428,10 @@ def environment_datasets(cfg: Config, tokenizer: Any) -> tuple[PromptDataset, Pr
 
 
 def _budget_spent(e: Exception) -> bool:
-    """Whether ``e`` is the endpoint saying the trajectory's token budget is used up."""
-    return getattr(e, "code", None) == "budget_exhausted" or "budget_exhausted" in str(e)
+    """Whether ``e`` is the endpoint saying the trajectory's token budget or context is used
+    up (a truncation: the episode ends there, scored)."""
+    code = getattr(e, "code", None)
+    return code in LENGTH_CODES or any(c in str(e) for c in LENGTH_CODES)
 
 
 class OpenEnvProgram:
