@@ -142,3 +142,15 @@ def test_a_turn_that_arrives_joins_the_running_batch(model, tokenizer) -> None:
     whole, _ = run(0)
     assert chunked == whole
     assert any({(0, 2), (1, 1)} <= set(call) for call in calls)
+
+
+def test_micro_batches_of_different_widths_assemble(model, tokenizer) -> None:
+    """One row per micro-batch, caps 2 and 5: the parts are 2 and 5 columns wide and assemble
+    into one batch, each row as a call of its own samples it."""
+    cfg = RolloutConfig(max_response_length=40, temperature=1.0, micro_batch_size=1)
+    eng = HFRolloutEngine(model, tokenizer, cfg, seed=0, eos_token_ids=[2])
+    turns = EngineTurnGenerator(eng, tokenizer, keep_kv_cache=False)
+    both = turns.generate_turns(requests([2, 5, 3]))
+    assert [len(o.ids) for o in both] == [2, 5, 3]
+    alone = [turns.generate_turns([r])[0] for r in requests([2, 5, 3])]
+    assert [o.ids for o in both] == [o.ids for o in alone]

@@ -45,6 +45,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
@@ -617,12 +618,19 @@ class HFRolloutEngine(RolloutEngine):
     ) -> Batch:
         lengths = torch.cat([p[2] for p in parts])
         width = int(lengths.max())
-        responses = torch.cat([p[0][:, :width] for p in parts])
-        rollout_log_probs = torch.cat([p[1][:, :width] for p in parts])
+
+        def column(k: int, fill: float) -> torch.Tensor:
+            """Part field ``k`` of every micro-batch at ``width`` columns (rows capped by their
+            own ``max_new_tokens`` make micro-batches of different widths)."""
+            cut = [p[k][:, :width] for p in parts]
+            return torch.cat([F.pad(c, (0, width - c.shape[1]), value=fill) for c in cut])
+
+        responses = column(0, self.pad_token_id)
+        rollout_log_probs = column(1, 0.0)
         real = (torch.arange(width, device=ids.device)[None] < lengths[:, None]).long()
         extra = None
         if parts[0][3] is not None:  # the sampler's kept-set sizes, for sampling replay
-            extra = {"rollout_kept_counts": torch.cat([p[3][:, :width] for p in parts]) * real}
+            extra = {"rollout_kept_counts": column(3, 0) * real}
         return assemble_rollout_batch(prompts, responses, rollout_log_probs, real, extra=extra)
 
 
