@@ -243,6 +243,7 @@ class ProgramRollout(EngineRollout):
         }
         self.last_metrics = agent_metrics(batch)
         self.last_trajectories = [t.trajectory for t in transcripts if t.trajectory]
+        self.last_stats = self.turn_stats()
         return batch
 
     @staticmethod

@@ -72,6 +72,7 @@ def trajectories_to_batch(
     real = torch.zeros((size, width), dtype=torch.long)
     turn_ids = torch.zeros((size, width), dtype=torch.long)
     log_probs = torch.zeros((size, width), dtype=torch.float32)
+    kept = torch.zeros((size, width), dtype=torch.long)
     for i, traj in enumerate(trajectories):
         n = len(traj.response_ids)
         responses[i, :n] = torch.tensor(traj.response_ids, dtype=torch.long)
@@ -79,22 +80,22 @@ def trajectories_to_batch(
         real[i, :n] = 1
         turn_ids[i, :n] = torch.tensor(traj.turn_ids, dtype=torch.long)
         log_probs[i, :n] = torch.tensor(traj.log_probs, dtype=torch.float32)
+        if traj.kept_counts:
+            kept[i, :n] = torch.tensor(traj.kept_counts, dtype=torch.long)
     response_mask = policy_mask if state_masking else real.clone()
     empty = [i for i, t in enumerate(trajectories) if not t.response_ids]
     real[empty, 0] = 1  # the placeholder that carries an empty episode's score
     response_mask[empty, 0] = 1
+    extra = {
+        "turn_ids": turn_ids,
+        "num_turns": torch.tensor(
+            [t.num_turns if t.response_ids else 0 for t in trajectories], dtype=torch.long
+        ),
+    }
+    if bool(kept.any()):  # the sampler's kept sets (sampling replay), 0: whole vocabulary
+        extra["rollout_kept_counts"] = kept * policy_mask
     out = assemble_rollout_batch(
-        prompts,
-        responses,
-        log_probs,
-        real,
-        response_mask=response_mask,
-        extra={
-            "turn_ids": turn_ids,
-            "num_turns": torch.tensor(
-                [t.num_turns if t.response_ids else 0 for t in trajectories], dtype=torch.long
-            ),
-        },
+        prompts, responses, log_probs, real, response_mask=response_mask, extra=extra
     )
     non_tensors = out.non_tensors
     non_tensors["messages"] = [t.messages for t in trajectories]
@@ -210,6 +211,12 @@ class EngineRollout:
         """The engine's model."""
         return self.engine.model
 
+    def turn_stats(self) -> dict[str, float]:
+        """``prefill_tokens``: the tokens prefilled over the latest run's turns, when its turn
+        generator (``self.turns``) counts them (``EngineTurnGenerator.last_run_stats``)."""
+        prefill = getattr(self.turns, "last_run_stats", {}).get("prefill_tokens")
+        return {} if prefill is None else {"prefill_tokens": float(prefill)}
+
 
 class AgentRollout(EngineRollout):
     """Multi-turn rollouts through ``engine``; see the module docstring.
@@ -273,6 +280,5 @@ class AgentRollout(EngineRollout):
         )
         self.last_metrics = agent_metrics(batch)
         self.last_trajectories = trajectories
-        prefill = getattr(self.turns, "last_run_stats", {}).get("prefill_tokens")
-        self.last_stats = {} if prefill is None else {"prefill_tokens": float(prefill)}
+        self.last_stats = self.turn_stats()
         return batch

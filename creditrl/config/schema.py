@@ -577,7 +577,7 @@ class AgentConfig:
     """agent.program: seconds one episode may take, then it is scored reward.fallback_score."""
     max_failed_steps: int = field(default=3, metadata=meta(range=AT_LEAST_0))
     """agent.program, env: stop after this many steps in a row of only failed episodes; 0: off."""
-    turn_chunk_tokens: int = field(default=16, metadata=meta(range=AT_LEAST_0))
+    turn_chunk_tokens: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """agent.program: decode steps per engine call (HF engine); new turns join the next. 0: off."""
     endpoint_host: str = "127.0.0.1"
     """agent.program: the address the OpenAI-compatible endpoint binds (loopback by default)."""
