@@ -339,3 +339,30 @@ def test_a_top_p_run_reuses_the_samplers_log_probs_and_starts_at_ratio_one(tmp_p
     assert per_token["old_log_probs"] == per_token["rollout_log_probs"]
     assert metrics["health/first_minibatch_clipfrac"] == 0.0
     assert abs(metrics["health/first_minibatch_ppo_kl"]) < 1e-5
+
+
+def test_a_multi_turn_top_p_run_replays_each_turns_kept_sets(tmp_path):
+    """An agent program of two turns through the endpoint with top_p=0.9 and min_p=0.05: each
+    policy token carries its kept-set size (observations 0), the sampler's log-probs are reused
+    as the old ones and the first update's ratio is 1 (a multi-turn run was trained over the
+    whole vocabulary, off by about 0.02 per token)."""
+    from pathlib import Path
+
+    from helpers import tiny_trainer_config
+
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    programs = Path(__file__).parent / "programs" / "agents.py"
+    cfg = tiny_trainer_config(
+        tmp_path, *REPLAY_RUN, "agent.enable=true", f"agent.program={programs}:two_turns",
+        "rollout.max_response_length=24",
+    )  # fmt: skip
+    assert rollout_log_probs_are_actors(cfg) and kept_sets_recorded(cfg)
+    RLTrainer(cfg).fit()
+    metrics, per_token = _first_step(tmp_path)
+    kept, mask = per_token["rollout_kept_counts"], per_token["response_mask"]
+    assert sum(mask) > 0 and 0 in mask  # policy tokens and a masked observation
+    assert all((k >= 1) == bool(m) for k, m in zip(kept, mask, strict=True))
+    assert per_token["old_log_probs"] == per_token["rollout_log_probs"]
+    assert metrics["health/first_minibatch_clipfrac"] == 0.0
+    assert abs(metrics["health/first_minibatch_ppo_kl"]) < 1e-5

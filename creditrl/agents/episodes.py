@@ -123,6 +123,7 @@ class _Turn:
     future: concurrent.futures.Future[TurnOutput]
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    kept: list[int] | None = field(default_factory=list)  # None once a chunk had none
 
     def next_request(self) -> TurnRequest:
         """The request that continues this turn from what it has sampled."""
@@ -327,8 +328,9 @@ class EpisodeRun:
         for turn, out in zip(batch, outputs, strict=True):
             turn.ids += out.ids
             turn.log_probs += out.log_probs
+            turn.kept = None if turn.kept is None or out.kept is None else turn.kept + out.kept
             if out.done:
-                _settle(turn.future, TurnOutput(turn.ids, turn.log_probs))
+                _settle(turn.future, TurnOutput(turn.ids, turn.log_probs, kept=turn.kept))
             else:
                 going.append(turn)
         return going

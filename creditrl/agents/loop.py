@@ -73,7 +73,9 @@ class Trajectory:
     """One sample's rollout. ``response_ids`` = every turn's ids and observation ids in order;
     ``response_mask`` 1 on the policy's ids, 0 on observations; ``turn_ids`` the turn (1-based)
     of each id, an observation taking the turn whose calls produced it; ``log_probs`` the
-    sampling log-prob of each policy id, 0 on observations."""
+    sampling log-prob of each policy id, 0 on observations; ``kept_counts`` the size of the
+    set the sampler drew each policy id from under top-k/top-p/min-p (0: the whole
+    vocabulary, and on observations)."""
 
     prompt_ids: list[int]
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -81,6 +83,7 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    kept_counts: list[int] = field(default_factory=list)
     num_turns: int = 0
     stop_reason: str = ""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -89,13 +92,21 @@ class Trajectory:
     observation_token_ids: list[list[int]] = field(default_factory=list)
     observation_truncated: bool = False
 
-    def append(self, ids: Sequence[int], mask: int, turn: int, log_probs: Sequence[float]) -> None:
-        if len(log_probs) != len(ids):
-            raise ValueError(f"{len(ids)} ids but {len(log_probs)} log-probs")
+    def append(
+        self,
+        ids: Sequence[int],
+        mask: int,
+        turn: int,
+        log_probs: Sequence[float],
+        kept: Sequence[int] | None = None,
+    ) -> None:
+        if len(log_probs) != len(ids) or (kept is not None and len(kept) != len(ids)):
+            raise ValueError(f"{len(ids)} ids, {len(log_probs)} log-probs and kept-set sizes")
         self.response_ids.extend(int(t) for t in ids)
         self.response_mask.extend([mask] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
         self.log_probs.extend(float(x) for x in log_probs)
+        self.kept_counts.extend([0] * len(ids) if kept is None else [int(k) for k in kept])
 
 
 def turn_seed(sample_seed: int, turn: int) -> int:
@@ -260,7 +271,8 @@ class AgentLoop:
             if not ids:
                 traj.stop_reason = "no_call"
                 return
-            traj.append(ids, 1, turn, list(out.log_probs)[: len(ids)])
+            kept = None if out.kept is None else list(out.kept)[: len(ids)]
+            traj.append(ids, 1, turn, list(out.log_probs)[: len(ids)], kept)
             traj.turn_token_ids.append(ids)
             traj.num_turns = turn
             text = self.chat.assistant_content(ids, self.eos_token_ids)

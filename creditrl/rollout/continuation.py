@@ -64,11 +64,14 @@ class TurnRequest:
 @dataclass
 class TurnOutput:
     """The new tokens and log π_sample of each (float, same length); ``done`` is False when
-    the turn goes on (a chunk ended before EOS, a stop string and the turn's budget)."""
+    the turn goes on (a chunk ended before EOS, a stop string and the turn's budget); ``kept``
+    the size of the set each token was drawn from when the engine records it
+    (``rollout_kept_counts``: top-k/top-p/min-p with ``rollout.sampling_replay``), else None."""
 
     ids: list[int]
     log_probs: list[float]
     done: bool = True
+    kept: list[int] | None = None
 
 
 class TurnGenerator(Protocol):
@@ -208,13 +211,21 @@ class EngineTurnGenerator:
         self._count(engine.last_stats)
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].cpu(), out["rollout_log_probs"].cpu().float()
-        return [
-            self._turn(request, responses[i, : min(int(lengths[i]), a)].tolist(), log_probs[i], a)
-            for i, (request, a) in enumerate(zip(requests, asked, strict=True))
-        ]
+        kept = out["rollout_kept_counts"].cpu() if "rollout_kept_counts" in out else None
+        outputs = []
+        for i, (request, a) in enumerate(zip(requests, asked, strict=True)):
+            ids = responses[i, : min(int(lengths[i]), a)].tolist()
+            row_kept = None if kept is None else kept[i]
+            outputs.append(self._turn(request, ids, log_probs[i], a, row_kept))
+        return outputs
 
     def _turn(
-        self, request: TurnRequest, ids: list[int], log_probs: torch.Tensor, asked: int
+        self,
+        request: TurnRequest,
+        ids: list[int],
+        log_probs: torch.Tensor,
+        asked: int,
+        kept: torch.Tensor | None,
     ) -> TurnOutput:
         """One request's output: ``ids`` cut at a stop string (looked for over the whole turn,
         the ids it sampled in earlier chunks included), and whether the turn ended."""
@@ -229,7 +240,9 @@ class EngineTurnGenerator:
             or _has_stop(whole, self.tokenizer, self.stop)
         )
         n -= len(before)
-        return TurnOutput(ids[:n], log_probs[:n].tolist(), done)
+        return TurnOutput(
+            ids[:n], log_probs[:n].tolist(), done, None if kept is None else kept[:n].tolist()
+        )
 
     def _count(self, engine_stats: Mapping[str, float]) -> None:
         prefill, total = engine_stats.get("prefill_tokens"), self.run_stats["prefill_tokens"]

@@ -329,9 +329,8 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
 def rollout_log_probs_are_actors(cfg: Config) -> bool:
     """The engine's ``rollout_log_probs`` are the actor's own log-probs at the sampling
     temperature: the engine declares ``exact_log_probs``; no top-k/top-p/min-p, or they are
-    replayed (``rollout.sampling_replay``, an engine that ``records_kept_set``, a single-turn
-    strategy: the agent loop does not carry the kept sets yet); and every ``response_mask``
-    token was sampled (not agent observations with state masking off)."""
+    replayed (``rollout.sampling_replay`` with an engine that ``records_kept_set``); and every
+    ``response_mask`` token was sampled (not agent observations with state masking off)."""
     return (
         engine_traits(cfg.rollout.engine).exact_log_probs
         and (not truncates(cfg.rollout) or kept_sets_recorded(cfg))
@@ -341,11 +340,10 @@ def rollout_log_probs_are_actors(cfg: Config) -> bool:
 
 def kept_sets_recorded(cfg: Config) -> bool:
     """Training batches carry ``rollout_kept_counts``: top-k/top-p/min-p is on, with
-    ``rollout.sampling_replay``, an engine that ``records_kept_set`` and a single-turn
-    strategy (the agent loop does not carry them yet: its runs train over the vocabulary)."""
+    ``rollout.sampling_replay`` and an engine that ``records_kept_set`` (single-turn, and
+    multi-turn trajectories, which carry each turn's sizes, 0 on observations)."""
     return (
         cfg.rollout.sampling_replay
         and truncates(cfg.rollout)
         and engine_traits(cfg.rollout.engine).records_kept_set
-        and not strategy_traits(cfg).multi_turn
     )
