@@ -109,7 +109,7 @@ def test_a_program_that_rewrites_its_history_is_counted_and_located(tmp_path: Pa
         ("raises", "error"),
         ("never_calls", "no_model_call"),
         ("sleeps", "timeout"),
-        ("long_first_request", "error"),
+        ("long_first_request", "refused"),
     ],
 )
 def test_failed_episodes_are_counted_and_scored_the_fallback(tmp_path: Path, name, status) -> None:

@@ -186,11 +186,15 @@ def test_no_engine_name_branches_outside_the_engines() -> None:
 
 def test_log_prob_reuse_follows_the_engines_declaration(tmp_path: Path) -> None:
     """``rollout_log_probs_are_actors``: the engine's ``exact_log_probs`` (hf yes, vllm and the
-    test engine no) and no top-k/top-p; validation lists the registered engines."""
+    test engine no) and no top-k/top-p unless they are replayed; validation lists the registered
+    engines."""
     cfg = tiny_engine_config(tmp_path)
     assert rollout_log_probs_are_actors(cfg)
-    for override in ("rollout.engine=test_fixed_ids", "rollout.engine=vllm", "rollout.top_k=5"):
+    assert rollout_log_probs_are_actors(tiny_engine_config(tmp_path, "rollout.top_k=5"))
+    for override in ("rollout.engine=test_fixed_ids", "rollout.engine=vllm"):
         assert not rollout_log_probs_are_actors(tiny_engine_config(tmp_path, override)), override
+    unreplayed = tiny_engine_config(tmp_path, "rollout.top_k=5", "rollout.sampling_replay=false")
+    assert not rollout_log_probs_are_actors(unreplayed)
     with pytest.raises(ConfigError, match=r"^rollout\.engine='sglang' is not one of hf, ") as e:
         tiny_engine_config(tmp_path, "rollout.engine=sglang")
     assert str(e.value).endswith(", ".join(ROLLOUT_ENGINES.names()))

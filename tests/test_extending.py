@@ -280,7 +280,7 @@ def test_an_engine_file_brings_its_option_and_trait(
     error = _one_line_error(capsys, [*base, "model.lora_rank=8"])
     assert "rollout.engine=stamped_hf with model.lora_rank > 0" in error
     error = _one_line_error(capsys, ["config", ext, "rollout.engine_kwargs.stamp=3"])
-    assert "not an option of rollout.engine=hf (it declares decode_cache)" in error
+    assert "not an option of rollout.engine=hf (it declares decode_cache, sample_dtype)" in error
 
     cfg = tiny_trainer_config(tmp_path / "run", ext, "rollout.engine=stamped_hf", *ONE_STEP)
     assert cfg.rollout.engine_kwargs == {"stamp": 7}  # the declared default, filled in

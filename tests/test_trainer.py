@@ -94,10 +94,11 @@ def test_reusing_rollout_log_probs_skips_the_recompute(tmp_path: Path) -> None:
     assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
     assert "timing_s/old_log_prob" in read_metrics(tmp_path)[1]
     assert read_metrics(tmp_path)[1]["actor/entropy"] > 0
+    unreplayed = ("rollout.top_k=5", "rollout.sampling_replay=false")
     topk = RLTrainer(
-        tiny_trainer_config(tmp_path / "k", "actor.use_rollout_log_probs=true", "rollout.top_k=5")
+        tiny_trainer_config(tmp_path / "k", "actor.use_rollout_log_probs=true", *unreplayed)
     )
-    assert not topk.reuse_rollout_log_probs  # top-k sampling is not the actor's distribution
+    assert not topk.reuse_rollout_log_probs  # top-k not replayed is not the actor's distribution
 
 
 SCORER = """

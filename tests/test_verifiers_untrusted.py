@@ -102,8 +102,9 @@ def test_a_failing_reward_function_is_detected_without_the_verifiers_logger(tok)
     assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0] * 4
     for info in batch["agent_info"]:
         assert info["episode"] == "error"
-        assert "reward function fails raised ZeroDivisionError: judge is down" in (
-            info["episode_error"]
+        assert (
+            "reward function fails raised ZeroDivisionError: judge is down"
+            in (info["episode_error"])
         )
 
 

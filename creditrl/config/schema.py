@@ -124,9 +124,7 @@ class RolloutConfig:
     min_p: float = field(default=0.0, metadata=meta(range=UNIT))
     """Keep tokens with at least min_p times the top token's probability; 0: off."""
     sampling_replay: bool = True
-    """Under top-k/top-p/min-p, train on the distribution sampled from: each token's kept-set
-    size is recorded and every log-prob renormalised over that set (docs/sampling.md); false:
-    full-vocabulary log-probs, biased (the ratio starts away from 1)."""
+    """Top-k/top-p/min-p: log-probs over each token's recorded kept set; false: all (biased)."""
     max_response_length: int = field(default=96, metadata=meta(range=AT_LEAST_1))
     """Most generated tokens per trajectory (agent: all turns and observations)."""
     micro_batch_size: int = field(default=64, metadata=meta(range=AT_LEAST_1))
