@@ -35,6 +35,7 @@ VALIDATOR_TENSORS = {
     "token_level_scores": ("float32", "T", "score"),
     "rm_scores": ("float32", "T", "score"),
     "weight_version": ("int64", None, "version"),
+    "token_weight_version": ("int64", "T", "version"),
     "turn_ids": ("int64", "T", "count"),
     "num_turns": ("int64", None, "count"),
     "turn_scores": ("float32", None, "score"),
@@ -74,17 +75,18 @@ def test_the_groups_are_the_catalogues() -> None:
     for name in ("old_log_probs", "advantages", "returns", "values", "staleness", "loss_mask"):
         assert FIELDS[name].wire is None and name not in validation._tensors()
     # computed by either side: the learner accepts them only when its config says so
-    for name in ("ref_log_prob", "teacher_log_prob", "rollout_kept_counts"):
+    for name in ("ref_log_prob", "teacher_log_prob", "rollout_kept_counts", "token_weight_version"):
         assert FIELDS[name].wire == "optional"
 
 
 def test_max_group_bytes_is_unchanged() -> None:
     # the number the validator's own table gave (8 answers, P=512, T=1024), plus a float32
-    # (B, T) teacher_log_prob (distill.teacher_on=sampler) and an int64 (B, T)
-    # rollout_kept_counts (sampling replay)
-    assert max_group_bytes(8, 512, 1024, DEFAULT_JSON_LIMITS) == 67780800 + 8 * 1024 * 12
-    assert max_group_bytes(1, 1, 1, DEFAULT_JSON_LIMITS) == 67125368 + 12
-    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 12
+    # (B, T) teacher_log_prob (distill.teacher_on=sampler), an int64 (B, T)
+    # rollout_kept_counts (sampling replay) and an int64 (B, T) token_weight_version (partial
+    # rollout): 20 bytes per response token
+    assert max_group_bytes(8, 512, 1024, DEFAULT_JSON_LIMITS) == 67780800 + 8 * 1024 * 20
+    assert max_group_bytes(1, 1, 1, DEFAULT_JSON_LIMITS) == 67125368 + 20
+    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 20
 
 
 def test_catalogue_entries_are_consistent() -> None:
@@ -186,7 +188,7 @@ def test_a_catalogued_tensor_is_accepted_with_its_dtype_and_refused_without(prob
         _check(_group(probe_scores=torch.full((2, 4), float("nan"))))
     assert e.value.reason == "non_finite"
     # and it counts toward the most a group can hold: 2 rows of T=4 float32 more
-    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 12 + 2 * 4 * 4
+    assert max_group_bytes(2, 3, 4, DEFAULT_JSON_LIMITS) == 67126000 + 2 * 4 * 20 + 2 * 4 * 4
 
 
 def test_an_int_catalogue_entry_refuses_floats(monkeypatch) -> None:

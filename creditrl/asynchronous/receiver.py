@@ -6,7 +6,8 @@ before it joins a batch) is acknowledged ``rejected``, counted (``async/rejected
 ``async/rejected/<reason>``) and logged with its sender and seq, and a sender rejected
 ``asynchronous.max_rejects`` times is disconnected (every later message of it is answered
 ``disconnected`` and otherwise ignored); groups whose staleness (learner version - sampling
-version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale``; a group
+version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale`` (with
+``asynchronous.staleness_policy=drop``; ``keep`` trains them); a group
 seen before is acknowledged ``duplicate``; a group that would take the buffered bytes past
 ``settings.max_buffered_bytes`` is rejected ``buffer_full`` (counted like any rejection, but
 not toward ``max_rejects``: a flood from one peer never disconnects the others). Trained
@@ -37,7 +38,7 @@ from creditrl.asynchronous.settings import (
     needs_reference,
     teacher_on_sampler,
 )
-from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer
+from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, GroupStats
 from creditrl.asynchronous.transport import LearnerSocket
 from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.batch import Batch
@@ -90,6 +91,7 @@ class GroupReceiver:
                     "teacher_log_prob": teacher_on_sampler(cfg),
                     "rm_scores": cfg.reward.reward_model.enable,
                     "rollout_kept_counts": kept_sets_recorded(cfg),
+                    "token_weight_version": a.partial_rollout,
                     **dict.fromkeys(AGENT_FIELDS, strategy_traits(cfg).multi_turn),
                     **dict.fromkeys(STRUCTURED_FIELDS, structured_reward(cfg))}  # fmt: skip
         self.limits = GroupLimits(
@@ -103,7 +105,8 @@ class GroupReceiver:
         self.groups_per_step = cfg.data.train_batch_size
         self.ledger = DeliveryLedger()
         self.journal = AckJournal(out / "async" / "acks.jsonl")
-        self.buffer = GroupBuffer(a.max_staleness)
+        self.buffer = GroupBuffer(a.max_staleness, drop=a.staleness_policy == "drop")
+        self.group_stats = GroupStats()
         self.json_limits = json_limits(cfg)
         self.buffer_limit = max_buffered_bytes(cfg)
         self.counters: dict[str, int] = defaultdict(int)
@@ -168,7 +171,7 @@ class GroupReceiver:
         if self.buffer.holds(sender, seq):
             self.counters["duplicate_groups"] += 1
             return 1
-        if self.buffer.is_stale(group, self.version):
+        if self.buffer.drop and self.buffer.is_stale(group, self.version):
             self.counters["received_groups"] += 1
             self._drop_stale([group])
             return 1
@@ -256,6 +259,7 @@ class GroupReceiver:
             by_sampler[g.sampler_id].append((g.seq, "stale", len(g.batch)))
             self.counters["dropped_stale_groups"] += 1
             self.counters["dropped_stale_episodes"] += len(g.batch)
+            self.group_stats.add("dropped", g.batch)
         for sampler_id, acks in by_sampler.items():
             self._ack(sampler_id, acks)
 

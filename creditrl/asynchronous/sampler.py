@@ -7,7 +7,9 @@ One batch of the loop, top to bottom (``Sampler.run``):
    ones too, logged and counted: a rejected group is never resent; ``stop`` ends the loop;
    ``disconnected`` ends it with exit code 1; a new learner incarnation means it restarted:
    resend everything unacknowledged);
-2. load the newest published weights, if newer (between batches, never inside one); wait
+2. load the newest published weights, if newer (between batches; with
+   ``asynchronous.partial_rollout`` also between decode chunks inside one,
+   ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights); wait
    while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
    batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
@@ -16,7 +18,7 @@ One batch of the loop, top to bottom (``Sampler.run``):
    reward manager ``creditrl train`` uses), reference log-probs (``ref_on=sampler``), the
    distillation teacher's (``distill.teacher_on=sampler``: its prompt, then the sampled ids,
    as the learner's stage computes them), split into groups stamped with episode ids and the
-   weight version that sampled them;
+   weight version that sampled them (the oldest of their tokens' versions);
 5. save each group to the outbox, save the data position, send the groups (a group larger
    than the learner accepts, ``settings.max_message_bytes``, is dropped here, logged and
    counted, instead of being dropped unseen by the learner's socket).
@@ -43,6 +45,7 @@ from creditrl.asynchronous.messages import (
     episodes_message,
     group_of,
 )
+from creditrl.asynchronous.partial import PartialRollout
 from creditrl.asynchronous.settings import (
     check_async_config,
     max_message_bytes,
@@ -133,6 +136,14 @@ class Sampler:
         self.weights = WeightSubscriber(weight_root(cfg))
         self.weights_via = engine_traits(cfg.rollout.engine).weights_via
         self.version = self._load_weights(0)
+        if a.partial_rollout:  # the worker's rollout: chunks with newer weights between them
+            self.worker.rollout = PartialRollout(
+                self.worker.engine,
+                self.tokenizer,
+                max_response_length=cfg.rollout.max_response_length,
+                chunk_tokens=a.partial_chunk_tokens,
+                refresh=self._refresh,
+            )
         self.outbox = Outbox(state_root(cfg), self.sampler_id)
         if self.outbox.data_state is not None:
             self.data.load_state_dict(self.outbox.data_state)
@@ -145,6 +156,7 @@ class Sampler:
         self.max_message = max_message_bytes(cfg)
         self.rejected = 0  # groups the learner rejected, or too large to send
         self.batches = 0
+        self.idle_s = 0.0  # seconds spent waiting for acknowledgements or fresher weights
         self.socket: SamplerSocket | None = None
 
     # ---- producing groups ----------------------------------------------------------------
@@ -171,12 +183,16 @@ class Sampler:
                 batch, rejected = self.pipeline.teacher_log_probs(batch)
             metrics["distill/rejected_teacher_prompts"] = float(rejected)
         del batch["sample_seed"]  # the learner never samples
+        version = self.version
+        if "token_weight_version" in batch:  # the oldest version that sampled a token
+            mask = batch["response_mask"].bool()
+            version = int(batch["token_weight_version"][mask].min()) if mask.any() else version
         groups = [
             group_of(
                 trim_group(batch[k * self.n : (k + 1) * self.n]),
                 self.sampler_id,
                 first + k,
-                self.version,
+                version,
             )
             for k in range(len(rows))
         ]
@@ -187,6 +203,9 @@ class Sampler:
             {
                 **{f"timing_s/{k}": v for k, v in timing.items()},
                 "sampler/weight_version": float(self.version),
+                "sampler/weight_switches": float(
+                    self.worker.rollout.last_stats.get("switches", 0.0)
+                ),
                 "sampler/response_tokens": float(batch["response_mask"].sum()),
                 "sampler/tokens_per_s": tokens / max(timing["batch"], 1e-9),
                 "sampler/score_mean": float(scores.mean()),
@@ -213,6 +232,12 @@ class Sampler:
         if version != current:
             self.worker.sync_rollout_weights()
         return version
+
+    def _refresh(self) -> int:
+        """Between decode chunks (partial rollout): newer published weights, if any, are loaded
+        now; returns the version the engine samples with from here on."""
+        self.version = self._load_weights(self.version)
+        return self.version
 
     def _engine_loads(self, folder: Path) -> None:
         """The engine reads a published folder, its weights awake (the KV cache stays asleep)."""
@@ -337,6 +362,7 @@ class Sampler:
         self.batches += 1
         metrics["sampler/inflight_groups"] = float(len(self.outbox.pending()))
         metrics["sampler/rejected_groups"] = float(self.rejected)
+        metrics["sampler/idle_s"] = self.idle_s
         self.tracker.log(metrics, step=self.batches)
 
     def run(self, max_batches: int | None = None) -> int:
@@ -373,7 +399,10 @@ class Sampler:
                         )
                         return 1
                     wait = min(a.ping_s, 1.0) if busy else 0.05  # an ack, or new weights
-                    if not self._drain(wait) and time.monotonic() - last_ping > a.ping_s:
+                    started = time.monotonic()
+                    heard = self._drain(wait)
+                    self.idle_s += time.monotonic() - started
+                    if not heard and time.monotonic() - last_ping > a.ping_s:
                         self._hello()
                         last_ping = time.monotonic()
                     continue

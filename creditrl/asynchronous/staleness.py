@@ -1,11 +1,15 @@
 """The learner's buffer of whole groups, bounded staleness, and batches of groups.
 
 Staleness of an episode trained at learner version v (the version before this step's update)
-is ``v - weight_version``, where ``weight_version`` is the version that sampled it: 0 means
-on-policy. A group whose staleness exceeds ``max_staleness`` is dropped (counted, and
-acknowledged as ``stale``); the rest are corrected by the rollout importance weights
-(``creditrl.core.compute_rollout_importance_weights``) when the learner recomputes their
-``old_log_probs``.
+is ``v - weight_version``, where ``weight_version`` is the version that sampled it (with
+partial rollout, its oldest token's; ``token_weight_version`` holds each token's): 0 means
+on-policy. With ``asynchronous.staleness_policy=drop`` a group whose staleness exceeds
+``max_staleness`` is dropped (counted, and acknowledged as ``stale``); with ``keep`` it is
+trained like the rest. Stale rows are corrected by the rollout importance weights
+(``creditrl.core.compute_rollout_importance_weights``, per token: pi_old over the log-prob of
+the version that sampled the token, truncated by ``algorithm.rollout_is``) when the learner
+recomputes their ``old_log_probs``. ``GroupStats`` reports the length and score of dropped
+and late groups against trained ones, so a policy's bias toward short answers shows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from creditrl.batch import Batch, position_ids_from_mask
 __all__ = [
     "BufferedGroup",
     "GroupBuffer",
+    "GroupStats",
     "StalenessProgress",
     "concat_groups",
     "staleness_metrics",
@@ -43,12 +48,13 @@ class BufferedGroup:
 
 
 class GroupBuffer:
-    """Groups in arrival order, keyed by (sampler_id, seq); ``nbytes`` is the sum of theirs."""
+    """Groups in arrival order, keyed by (sampler_id, seq); ``nbytes`` is the sum of theirs.
+    ``drop``: groups past ``max_staleness`` are dropped (``drop_stale``); else all are kept."""
 
-    def __init__(self, max_staleness: int) -> None:
+    def __init__(self, max_staleness: int, *, drop: bool = True) -> None:
         if max_staleness < 0:
             raise ValueError(f"asynchronous.max_staleness must be >= 0, got {max_staleness}")
-        self.max_staleness = max_staleness
+        self.max_staleness, self.drop = max_staleness, drop
         self._groups: OrderedDict[tuple[str, int], BufferedGroup] = OrderedDict()
         self.nbytes = 0
 
@@ -72,8 +78,9 @@ class GroupBuffer:
         return version - group.version > self.max_staleness
 
     def drop_stale(self, version: int) -> list[BufferedGroup]:
-        """Remove and return the groups too stale to train at learner ``version``."""
-        stale = [g for g in self._groups.values() if self.is_stale(g, version)]
+        """Remove and return the groups too stale to train at learner ``version`` (none when
+        this buffer keeps stale groups)."""
+        stale = [g for g in self._groups.values() if self.drop and self.is_stale(g, version)]
         for g in stale:
             del self._groups[(g.sampler_id, g.seq)]
             self.nbytes -= g.nbytes
@@ -143,6 +150,45 @@ def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
         "async/staleness/min": float(s.min()),
         "async/on_policy_fraction": float((s == 0).to(torch.float64).mean()),
     }
+
+
+class GroupStats:
+    """Run totals of the episodes a staleness policy dropped, trained late (past
+    ``max_staleness``, ``staleness_policy=keep``) and trained in time: their count, response
+    length and score (``token_level_scores`` summed)."""
+
+    KINDS = ("trained", "late", "dropped")
+
+    def __init__(self) -> None:
+        self.totals = {k: [0, 0.0, 0.0] for k in self.KINDS}  # episodes, length sum, score sum
+
+    def add(self, kind: str, batch: Batch) -> None:
+        """Count the episodes of ``batch`` under ``kind``."""
+        total = self.totals[kind]
+        total[0] += len(batch)
+        total[1] += float(batch["response_mask"].sum())
+        if "token_level_scores" in batch:
+            total[2] += float(batch["token_level_scores"].sum())
+
+    def add_trained(self, batch: Batch, max_staleness: int) -> None:
+        """Count a step's rows: ``late`` where ``staleness`` > ``max_staleness``, else
+        ``trained``."""
+        late = batch["staleness"] > max_staleness
+        if bool(late.any()):
+            self.add("late", batch[late])
+        if not bool(late.all()):
+            self.add("trained", batch[~late] if bool(late.any()) else batch)
+
+    def metrics(self) -> dict[str, float]:
+        """``async/{kind}/episodes``, and for kinds seen, ``async/{kind}/response_length`` and
+        ``async/{kind}/score``: means over the run's episodes of that kind so far."""
+        out: dict[str, float] = {}
+        for kind, (count, length, score) in self.totals.items():
+            out[f"async/{kind}/episodes"] = float(count)
+            if count:
+                out[f"async/{kind}/response_length"] = length / count
+                out[f"async/{kind}/score"] = score / count
+        return out
 
 
 class StalenessProgress:

@@ -233,6 +233,8 @@ def _check_tensors(group: Batch, where: str) -> None:
             raise MessageError(f"{where}: {name} holds values beyond +-{_MAX_SCORE:g}", "value")
         if kind == "count" and not bool(((x >= 0) & (x <= _MAX_COUNT)).all()):
             raise MessageError(f"{where}: {name} holds counts outside [0, {_MAX_COUNT}]", "value")
+        if kind == "version" and bool((x < 0).any()):
+            raise MessageError(f"{where}: {name} holds negative versions", "value")
         if kind == "position" and not bool(((x >= 0) & (x < p + t)).all()):
             raise MessageError(f"{where}: {name} holds positions outside [0, P+T)", "value")
     if not torch.equal(group["input_ids"], torch.cat([group["prompts"], group["responses"]], 1)):
@@ -436,10 +438,36 @@ class GroupLimits:
             raise MessageError(
                 f"{where} claims weight version {version} > the learner's {current}", "version"
             )
+        if "token_weight_version" in group.tensors:
+            _check_token_versions(group, where, version, current)
         sampled = group.meta.get("temperature")
         if self.temperature is not None and sampled is not None and sampled != self.temperature:
             raise MessageError(
                 f"{where} was sampled at temperature {sampled}; this learner trains at "
                 f"rollout.temperature={self.temperature}",
                 "temperature",
+            )
+
+
+def _check_token_versions(group: Batch, where: str, version: int, current: int) -> None:
+    """MessageError unless ``token_weight_version`` is 0 on padding and, over each row's
+    response tokens, never decreases, lies in [``version``, ``current``] and starts at
+    ``version`` (the group's weight_version is its rows' oldest token)."""
+    tokens, mask = group["token_weight_version"], group["response_mask"].bool()
+    p = group["prompts"].shape[1]
+    padding = group["attention_mask"][:, p:] == 0
+    if bool((tokens[padding] != 0).any()):
+        raise MessageError(f"{where}: token_weight_version is not 0 on padding", "value")
+    real = tokens[mask]
+    if len(real) and (int(real.min()) < version or int(real.max()) > current):
+        raise MessageError(
+            f"{where}: token_weight_version outside [{version}, {current}] (the group's "
+            "weight_version and the learner's)",
+            "version",
+        )
+    for i in range(len(group)):
+        row = tokens[i][mask[i]]
+        if len(row) and (int(row[0]) != version or bool((row[1:] < row[:-1]).any())):
+            raise MessageError(
+                f"{where}: token_weight_version of row {i} does not rise from {version}", "value"
             )

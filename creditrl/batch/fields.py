@@ -345,9 +345,17 @@ _SPECS = [
     ),
     FieldSpec(
         "weight_version", "(B,)", "int64",
-        "policy version (learner optimizer steps published) that sampled the episode",
+        "policy version (learner optimizer steps published) that sampled the episode (its "
+        "first token, with partial rollout: the oldest of token_weight_version)",
         "async sampler",
         wire="episode", kind="version",
+    ),
+    FieldSpec(
+        "token_weight_version", "(B, T)", "int64",
+        "policy version that sampled y_{j+1} at column j: it rises where a sampler took newer "
+        "weights mid-response (partial rollout); weight_version is the row's lowest; 0 on padding",
+        "async sampler (asynchronous.partial_rollout)",
+        wire="optional", kind="version",
     ),
     FieldSpec(
         "staleness", "(B,)", "int64",

@@ -488,6 +488,12 @@ class AsyncConfig:
     """Rendezvous port of the learner ranks (loopback)."""
     max_staleness: int = field(default=4, metadata=meta(range=AT_LEAST_0))
     """Most versions a group may lag the learner; staler ones are dropped and counted."""
+    staleness_policy: str = field(default="drop", metadata=meta(choices=("drop", "keep")))
+    """Groups past max_staleness: 'drop' (counted), or 'keep' (trained, per-token IS-bounded)."""
+    partial_rollout: bool = False
+    """Samplers take newer weights between decode chunks; unfinished rows continue on them."""
+    partial_chunk_tokens: int = field(default=32, metadata=meta(range=AT_LEAST_1))
+    """Tokens a sampler decodes per row between weight checks (with partial_rollout)."""
     max_inflight_groups: int = field(default=0, metadata=meta(range=AT_LEAST_0))
     """Unacknowledged groups per sampler; 0: 2 x data.train_batch_size."""
     sampler_batch_groups: int = field(default=0, metadata=meta(range=AT_LEAST_0))

@@ -41,6 +41,8 @@ _ALL = [
     Column("kept", "|K_t|", "int", "rollout_kept_counts: how many tokens top-k/top-p/min-p let "
            "the sampler choose y_t from (sampling replay; 0: the whole vocabulary); every "
            "log-prob column is over that set, renormalised"),
+    Column("version", "v_t", "int", "token_weight_version: the policy version that sampled y_t "
+           "(async; it rises where partial rollout took newer weights mid-response)"),
     Column("rollout_log_prob", "logp_roll", "float", "log π_rollout(y_t | s_t): the sampling "
            "engine's log-prob (rollout_log_probs), over the kept set K_t when |K_t| > 0"),
     Column("old_log_prob", "logp_old", "float", "log π_old(y_t | s_t): the actor before this "

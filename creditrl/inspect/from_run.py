@@ -36,6 +36,7 @@ DUMP_FIELDS = {
     "turn_ids": "turn",
     "rollout_log_probs": "rollout_log_prob",
     "rollout_kept_counts": "kept",
+    "token_weight_version": "version",
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref_log_prob",
     "teacher_log_prob": "teacher_log_prob",
@@ -48,7 +49,7 @@ DUMP_FIELDS = {
     "rollout_is_weights": "is_weight",
     "loss_mask": "loss_mask",
 }
-_INT_COLUMNS = ("mask", "turn", "kept", "loss_mask")
+_INT_COLUMNS = ("mask", "turn", "kept", "version", "loss_mask")
 
 
 def dumped_steps(run_dir: Path) -> list[int]:

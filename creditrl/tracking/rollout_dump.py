@@ -36,6 +36,7 @@ PER_TOKEN_FIELDS = (
     "turn_ids",
     "rollout_log_probs",
     "rollout_kept_counts",
+    "token_weight_version",
     "old_log_probs",
     "ref_log_prob",
     "teacher_log_prob",

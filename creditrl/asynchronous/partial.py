@@ -1,0 +1,214 @@
+"""Partial rollout: a sampler takes newer weights between decode chunks of one batch.
+
+``PartialRollout.generate`` samples a batch of single-turn prompts in chunks of at most
+``chunk_tokens`` new tokens per row. Before each chunk it calls ``refresh()``, which loads the
+newest published weights when they are newer and returns the version the engine now samples
+with; the unfinished rows then continue on that version. Each response token records the
+version that sampled it (``token_weight_version``, (B, T) int64, 0 on padding), and its
+``rollout_log_probs`` entry is that version's log-prob, so the learner's rollout importance
+weights pi_old / pi_behaviour use, token by token, the weights that produced the token.
+
+The KV cache across a switch is **recomputed**: a row continued on new weights prefills its
+prompt and every token sampled so far under the new weights (the turn KV kept between chunks
+is dropped), so each later token's log-prob is exactly log pi_new(y_t | s_t), the log-prob a
+full forward pass of the new weights gives. Between chunks without a switch, an engine that
+keeps a sample's KV (``keeps_turn_kv()``: the HF engine) continues it and prefills only the
+last sampled token; any other engine prefills the whole context again (still exact, slower).
+
+Each row continues its own seed's counter stream (``advance_seed``), so with no switch the
+chunks sample exactly the ids one whole ``generate`` call samples (the HF engine with
+``sample_seed``), up to float rounding of batch-shape dependent kernels in the log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
+from creditrl.rollout.sampling import advance_seed
+from creditrl.rollout.turn_cache import TurnKVCache
+
+__all__ = ["PartialRollout", "version_metrics"]
+
+
+@dataclass
+class _Row:
+    """One response being sampled: its context so far and what each token recorded."""
+
+    prompt: list[int]
+    seed: int | None
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class PartialRollout:
+    """Single-turn sampling in chunks with ``refresh()`` between them (module docstring).
+
+    ``engine``: a ``creditrl.rollout.RolloutEngine``; ``max_response_length``: the tokens a
+    response may take in all; ``chunk_tokens`` (>= 1): tokens per row per engine call;
+    ``refresh``: loads newer weights if any and returns the version sampled with from now on.
+    ``last_stats`` (``prefill_tokens``, ``switches``: weight changes inside the latest batch,
+    ``chunks``: engine calls) describes the latest ``generate``.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        max_response_length: int,
+        chunk_tokens: int,
+        refresh: Callable[[], int],
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.engine, self.refresh = engine, refresh
+        self.max_response_length, self.chunk_tokens = max_response_length, chunk_tokens
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        eos = engine.eos_token_ids
+        eos = [tokenizer.eos_token_id] if eos is None else eos
+        self.eos_token_ids = {int(t) for t in (eos.tolist() if torch.is_tensor(eos) else eos)}
+        self.turn_cache = TurnKVCache() if engine.keeps_turn_kv() else None
+        self.last_stats: dict[str, float] = {}
+        self._records_kept = False
+
+    def generate(
+        self,
+        prompts: Batch,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> Batch:
+        """The engine's ``generate`` answer, sampled in chunks, plus ``token_weight_version``.
+        A greedy call (a baseline, never trained on) is one whole engine call."""
+        if greedy:
+            out = self.engine.generate(prompts, greedy=True, temperature=temperature, seed=seed)
+            self.last_stats = dict(self.engine.last_stats)
+            return out
+        if seed is not None:
+            self.engine.generator.manual_seed(seed)
+        mask = prompts["attention_mask"].bool()
+        seeds = prompts.get("sample_seed")
+        rows = [
+            _Row(
+                prompts["input_ids"][i][mask[i]].tolist(),
+                None if seeds is None else int(seeds[i]),
+            )
+            for i in range(len(prompts))
+        ]
+        stats = {"prefill_tokens": 0.0, "switches": 0.0, "chunks": 0.0}
+        version: int | None = None
+        try:
+            while live := [i for i, r in enumerate(rows) if not r.done]:
+                now = self.refresh()
+                if version is not None and now != version:
+                    stats["switches"] += 1
+                    if self.turn_cache is not None:
+                        self.turn_cache.clear()  # recomputed under the new weights
+                version = now
+                self._chunk(rows, live, version, temperature, stats)
+        finally:
+            if self.turn_cache is not None:
+                self.turn_cache.clear()
+        self.last_stats = stats
+        return self._assemble(prompts, rows)
+
+    def _chunk(
+        self,
+        rows: list[_Row],
+        live: list[int],
+        version: int,
+        temperature: float | None,
+        stats: dict[str, float],
+    ) -> None:
+        """One engine call: at most ``chunk_tokens`` more tokens for each live row."""
+        asked = [min(self.chunk_tokens, self.max_response_length - len(rows[i].ids)) for i in live]
+        contexts = [rows[i].prompt + rows[i].ids for i in live]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(live), width), dtype=torch.long)
+        for k, context in enumerate(contexts):
+            ids[k, width - len(context) :] = torch.as_tensor(context, dtype=torch.long)
+            attention[k, width - len(context) :] = 1
+        batch = Batch(
+            {
+                "input_ids": ids,
+                "attention_mask": attention,
+                "position_ids": position_ids_from_mask(attention),
+                "max_new_tokens": torch.tensor(asked, dtype=torch.long),
+            }
+        )
+        if all(rows[i].seed is not None for i in live):
+            batch["sample_seed"] = torch.tensor(
+                [advance_seed(rows[i].seed, len(rows[i].ids)) for i in live], dtype=torch.long
+            )
+        engine = self.engine.capped(max(asked))
+        if self.turn_cache is not None:
+            out = engine.generate_with_turn_cache(
+                batch, live, self.turn_cache, greedy=False, temperature=temperature
+            )
+        else:
+            out = engine.generate(batch, greedy=False, temperature=temperature)
+        stats["chunks"] += 1
+        stats["prefill_tokens"] += float(engine.last_stats.get("prefill_tokens", 0.0))
+        lengths = out["response_mask"].sum(-1).tolist()
+        kept = out.get("rollout_kept_counts")
+        self._records_kept = kept is not None
+        for k, i in enumerate(live):
+            row, n = rows[i], min(int(lengths[k]), asked[k])
+            new = out["responses"][k, :n].tolist()
+            row.ids += new
+            row.log_probs += out["rollout_log_probs"][k, :n].float().tolist()
+            row.kept += [0] * n if kept is None else kept[k, :n].tolist()
+            row.versions += [version] * n
+            row.done = (
+                n < asked[k]
+                or len(row.ids) >= self.max_response_length
+                or bool(new and new[-1] in self.eos_token_ids)
+            )
+
+    def _assemble(self, prompts: Batch, rows: list[_Row]) -> Batch:
+        width = max(1, max(len(r.ids) for r in rows))
+        b = len(rows)
+        responses = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((b, width), dtype=torch.float32)
+        kept = torch.zeros((b, width), dtype=torch.long)
+        versions = torch.zeros((b, width), dtype=torch.long)
+        real = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            responses[i, :n] = torch.as_tensor(r.ids, dtype=torch.long)
+            log_probs[i, :n] = torch.as_tensor(r.log_probs, dtype=torch.float32)
+            kept[i, :n] = torch.as_tensor(r.kept, dtype=torch.long)
+            versions[i, :n] = torch.as_tensor(r.versions, dtype=torch.long)
+            real[i, :n] = 1
+        extra = {"token_weight_version": versions}
+        if self._records_kept:  # the engine's answers carry the kept sets (sampling replay)
+            extra["rollout_kept_counts"] = kept
+        return assemble_rollout_batch(prompts, responses, log_probs, real, extra=extra)
+
+
+def version_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """Per-token staleness at learner ``version``: ``async/token_staleness/{mean,max}`` of
+    ``version - token_weight_version`` over ``response_mask``, and
+    ``async/partial/switched_fraction``: the share of rows sampled by more than one version."""
+    mask = batch["response_mask"].bool()
+    tokens = batch["token_weight_version"]
+    staleness = (version - tokens)[mask].to(torch.float64)
+    big = torch.iinfo(torch.long).max
+    lowest = torch.where(mask, tokens, big).min(-1).values
+    highest = torch.where(mask, tokens, -1).max(-1).values
+    return {
+        "async/token_staleness/mean": float(staleness.mean()) if len(staleness) else 0.0,
+        "async/token_staleness/max": float(staleness.max()) if len(staleness) else 0.0,
+        "async/partial/switched_fraction": float((highest > lowest).to(torch.float64).mean()),
+    }

@@ -1,0 +1,204 @@
+"""Partial rollout (``asynchronous.partial_rollout``): a sampler takes newer weights between
+decode chunks, the unfinished rows continue on them, each token records the version that
+sampled it, and the learner's importance weights use that version's log-probs.
+
+Model: the conftest's tiny random Llama (float32, the real tokenizer's vocabulary; it never
+samples EOS, so every row runs to the budget) with 1000 ids declared EOS in the first test so
+rows end at different steps. Tolerances: ids equal; log-probs to 1e-5 (float32 sums over
+other batch shapes; the turn-cache tests measure <= 2e-6).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import synthetic_group, tiny_learner_config
+
+from creditrl.asynchronous.messages import MessageError
+from creditrl.asynchronous.partial import PartialRollout, version_metrics
+from creditrl.asynchronous.settings import check_async_config
+from creditrl.asynchronous.staleness import GroupBuffer, GroupStats
+from creditrl.asynchronous.validation import GroupLimits
+from creditrl.batch import Batch, position_ids_from_mask
+from creditrl.config.schema import RolloutConfig
+from creditrl.core import compute_rollout_importance_weights
+from creditrl.rollout import HFRolloutEngine
+from creditrl.workers import policy_forward
+
+LOG_PROB_ATOL = 1e-5
+PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 905]]
+
+
+def prompts(repeat: int = 2) -> Batch:
+    """Left-padded PROMPTS, each ``repeat`` times, with a ``sample_seed`` per row."""
+    rows = [p for p in PROMPTS for _ in range(repeat)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    batch = Batch(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+    )
+    batch["sample_seed"] = torch.arange(len(rows), dtype=torch.long) * 7919 + 11
+    return batch
+
+
+def engine(model, tokenizer, eos: list[int] | None = None, length: int = 20) -> HFRolloutEngine:
+    cfg = RolloutConfig(max_response_length=length, temperature=1.0, micro_batch_size=8)
+    return HFRolloutEngine(model, tokenizer, cfg, seed=0, eos_token_ids=eos)
+
+
+def test_chunks_without_a_switch_sample_what_one_call_samples(model, tokenizer):
+    """Rows ending at different steps (1000 EOS ids): chunks of 3 give the ids, the log-probs
+    and the mask of one whole call, every token at version 5, and no switch."""
+    eos = list(range(6000, 7000))
+    whole = engine(model, tokenizer, eos).generate(prompts())
+    partial = PartialRollout(
+        engine(model, tokenizer, eos), tokenizer, max_response_length=20, chunk_tokens=3,
+        refresh=lambda: 5,
+    )  # fmt: skip
+    out = partial.generate(prompts())
+    assert torch.equal(out["responses"], whole["responses"])
+    assert torch.equal(out["response_mask"], whole["response_mask"])
+    assert torch.equal(out["attention_mask"], whole["attention_mask"])
+    torch.testing.assert_close(
+        out["rollout_log_probs"], whole["rollout_log_probs"], atol=LOG_PROB_ATOL, rtol=0
+    )
+    lengths = out["response_mask"].sum(-1)
+    assert len(set(lengths.tolist())) > 1  # rows ended at different steps
+    assert torch.equal(out["token_weight_version"], out["response_mask"] * 5)
+    assert partial.last_stats["switches"] == 0 and partial.last_stats["chunks"] >= 7
+
+
+def test_a_weight_update_mid_generation_switches_at_the_right_token(model, tokenizer):
+    """New weights land after the first chunk of 4: every row's tokens 1-4 are version 0 and
+    5-12 version 1; each token's rollout log-prob is the log-prob of the weights that sampled
+    it (a full forward pass of that version); the learner, now at version 1, computes
+    importance weights exactly 1 on the new version's tokens and not on the old ones."""
+    policy = copy.deepcopy(model)
+    old = copy.deepcopy(model)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    calls = []
+
+    def refresh() -> int:
+        calls.append(len(calls))
+        if len(calls) == 2:  # the learner published version 1 during the first chunk
+            policy.load_state_dict(new.state_dict())
+        return 0 if len(calls) < 2 else 1
+
+    partial = PartialRollout(
+        engine(policy, tokenizer, length=12), tokenizer, max_response_length=12,
+        chunk_tokens=4, refresh=refresh,
+    )  # fmt: skip
+    out = partial.generate(prompts(repeat=1))
+    assert out["responses"].shape == (3, 12) and bool(out["response_mask"].all())
+    versions = out["token_weight_version"]
+    assert versions[:, :4].eq(0).all() and versions[:, 4:].eq(1).all()
+    assert partial.last_stats["switches"] == 1 and len(calls) == 3
+    with torch.no_grad():
+        under_old, _ = policy_forward(old, out, 1.0)
+        under_new, _ = policy_forward(new, out, 1.0)
+    behaviour = out["rollout_log_probs"]
+    torch.testing.assert_close(behaviour[:, :4], under_old[:, :4], atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(behaviour[:, 4:], under_new[:, 4:], atol=LOG_PROB_ATOL, rtol=0)
+    assert (behaviour[:, :4] - under_new[:, :4]).abs().max() > 1e-3  # the versions differ
+    weights, _, _ = compute_rollout_importance_weights(
+        under_new, behaviour, out["response_mask"], rollout_is_threshold=1e6
+    )
+    torch.testing.assert_close(weights[:, 4:], torch.ones(3, 8), atol=1e-4, rtol=0)
+    assert (weights[:, :4] - 1).abs().max() > 1e-3
+    metrics = version_metrics(out, 1)
+    assert metrics["async/token_staleness/mean"] == pytest.approx(4 / 12)
+    assert metrics["async/token_staleness/max"] == 1.0
+    assert metrics["async/partial/switched_fraction"] == 1.0
+
+
+def test_a_greedy_call_is_one_whole_engine_call(model, tokenizer):
+    calls = []
+    partial = PartialRollout(
+        engine(model, tokenizer), tokenizer, max_response_length=20, chunk_tokens=3,
+        refresh=lambda: calls.append(1) or 0,
+    )  # fmt: skip
+    out = partial.generate(prompts(repeat=1), greedy=True)
+    assert "token_weight_version" not in out and not calls
+
+
+# ---- the learner's checks of token_weight_version ------------------------------------------
+
+
+def _with_versions(versions: list[list[int]], weight_version: int = 2) -> Batch:
+    group = synthetic_group(version=weight_version)
+    group["token_weight_version"] = torch.tensor(versions, dtype=torch.long)
+    return group
+
+
+def _limits() -> GroupLimits:
+    return GroupLimits(
+        n=2, vocab_size=1000, max_prompt=16, max_response=16,
+        optional=frozenset({"token_weight_version"}),
+    )  # fmt: skip
+
+
+def test_token_versions_that_rise_from_the_group_version_pass():
+    _limits().check(_with_versions([[2, 2, 3, 4], [2, 3, 3, 0]]), "s0", 0, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("versions", "current", "reason", "words"),
+    [
+        ([[2, 2, 3, 4], [2, 3, 3, 1]], 4, "value", "not 0 on padding"),
+        ([[2, 3, 2, 4], [2, 3, 3, 0]], 4, "value", "does not rise"),
+        ([[3, 3, 3, 3], [3, 3, 3, 0]], 4, "value", "does not rise from 2"),
+        ([[2, 2, 3, 5], [2, 3, 3, 0]], 4, "version", "outside [2, 4]"),
+        ([[2, 1, 3, 4], [2, 3, 3, 0]], 4, "version", "outside [2, 4]"),
+    ],
+)
+def test_bad_token_versions_are_refused(versions, current, reason, words):
+    with pytest.raises(MessageError) as err:
+        _limits().check(_with_versions(versions), "s0", 0, 2, current)
+    assert err.value.reason == reason and words in str(err.value)
+
+
+# ---- the staleness policies -----------------------------------------------------------------
+
+
+def test_keep_trains_stale_groups_and_stats_show_their_length_and_score():
+    from creditrl.asynchronous.staleness import BufferedGroup
+
+    keep, drop = GroupBuffer(1, drop=False), GroupBuffer(1)
+    for buffer in (keep, drop):
+        buffer.add(BufferedGroup("s0", 0, 0, synthetic_group(version=0)))
+    assert keep.drop_stale(5) == [] and len(keep) == 1
+    assert len(drop.drop_stale(5)) == 1 and len(drop) == 0
+    stats = GroupStats()
+    late = synthetic_group(version=0)  # lengths 4 and 3, scores 1 and 0
+    late["staleness"] = torch.tensor([3, 3])
+    fresh = synthetic_group(seq=1, version=2)
+    fresh["staleness"] = torch.tensor([0, 0])
+    stats.add_trained(late, 1)
+    stats.add_trained(fresh, 1)
+    stats.add("dropped", synthetic_group(seq=2))
+    metrics = stats.metrics()
+    assert metrics["async/late/episodes"] == 2 and metrics["async/trained/episodes"] == 2
+    assert metrics["async/late/response_length"] == 3.5
+    assert metrics["async/late/score"] == 0.5
+    assert metrics["async/dropped/episodes"] == 2
+    assert metrics["async/dropped/response_length"] == 3.5
+
+
+def test_config_refuses_keep_without_the_learners_importance_weights(tmp_path):
+    cfg = tiny_learner_config(
+        tmp_path, "asynchronous.staleness_policy=keep", "asynchronous.old_log_probs=sampler"
+    )
+    with pytest.raises(ValueError, match="old_log_probs=learner"):
+        check_async_config(cfg)
+
+
+def test_config_refuses_partial_rollout_of_multi_turn_episodes(tmp_path):
+    cfg = tiny_learner_config(tmp_path, "asynchronous.partial_rollout=true", "agent.enable=true")
+    with pytest.raises(ValueError, match="multi-turn"):
+        check_async_config(cfg)
