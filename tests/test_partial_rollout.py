@@ -14,17 +14,23 @@ import copy
 
 import pytest
 import torch
-from helpers import synthetic_group, tiny_learner_config
+from helpers import synthetic_group, tiny_learner_config, train_async_in_process
 
+from creditrl.asynchronous.launcher import free_port, load_from_args
+from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import MessageError
 from creditrl.asynchronous.partial import PartialRollout, version_metrics
 from creditrl.asynchronous.settings import check_async_config
 from creditrl.asynchronous.staleness import GroupBuffer, GroupStats
 from creditrl.asynchronous.validation import GroupLimits
 from creditrl.batch import Batch, position_ids_from_mask
+from creditrl.config import load_config
 from creditrl.config.schema import RolloutConfig
 from creditrl.core import compute_rollout_importance_weights
+from creditrl.inspect.from_run import views_from_run
+from creditrl.models.tiny import tiny_model_dir
 from creditrl.rollout import HFRolloutEngine
+from creditrl.trainers.rl_trainer import RLTrainer
 from creditrl.workers import policy_forward
 
 LOG_PROB_ATOL = 1e-5
@@ -202,3 +208,72 @@ def test_config_refuses_partial_rollout_of_multi_turn_episodes(tmp_path):
     cfg = tiny_learner_config(tmp_path, "asynchronous.partial_rollout=true", "agent.enable=true")
     with pytest.raises(ValueError, match="multi-turn"):
         check_async_config(cfg)
+
+
+# ---- a run: the learner and a sampler in process ----------------------------------------------
+
+
+def spaces(data_source: str, solution_str: str, ground_truth: object, extra_info: object = None):
+    """A score that varies within a group: the answer's spaces per token of its budget."""
+    return min(solution_str.count(" "), 8) / 8
+
+
+def _recorded(loop) -> list[dict]:
+    """Wrap ``loop.train_step`` to keep each step's responses, scores and metrics."""
+    steps: list[dict] = []
+    train_step = loop.train_step
+
+    def recording() -> dict[str, float]:
+        metrics = train_step()
+        batch = loop.last_batch
+        rows = zip(batch["responses"], batch["response_mask"].bool(), strict=True)
+        steps.append(
+            {
+                "responses": [row[m].tolist() for row, m in rows],
+                "scores": batch["token_level_scores"].sum(-1).tolist(),
+                "metrics": metrics,
+            }
+        )
+        return metrics
+
+    loop.train_step = recording
+    return steps
+
+
+def _settings(out, *extra: str) -> list[str]:
+    """3 GRPO steps of the tiny model: 2 prompts x 2 answers of at most 8 tokens, dumped."""
+    return [
+        "preset=grpo", "rollout.n=2", "actor.autocast=none", f"model.path={tiny_model_dir()}",
+        "data.train_size=24", "data.val_size=2", "data.train_batch_size=2",
+        "rollout.max_response_length=8", "rollout.temperature=1.0",
+        "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=2", "actor.optim.lr=1e-3",
+        "reward.num_workers=0", f"reward.scorer={__file__}:spaces", "trainer.total_steps=3",
+        "trainer.save_freq=0", "trainer.test_freq=0", "trainer.logger=[jsonl]",
+        "trainer.rollout_dump_rows=2", "asynchronous.max_staleness=0",
+        f"trainer.output_dir={out}", *extra,
+    ]  # fmt: skip
+
+
+def test_partial_rollout_at_staleness_0_trains_what_sync_trains_and_explains_versions(tmp_path):
+    """One sampler at staleness 0 never sees new weights mid-batch: chunks of 3 tokens sample
+    the samples `creditrl train` samples, scored alike, with equal losses (to float rounding
+    of the chunked log-probs), every token at the step's version; the dump and `creditrl
+    explain` show each token's version."""
+    trainer = RLTrainer(load_config(overrides=_settings(tmp_path / "sync")))
+    sync = _recorded(trainer)
+    trainer.fit()
+    partial = ("asynchronous.partial_rollout=true", "asynchronous.partial_chunk_tokens=3")
+    cfg, _, _ = load_from_args(_settings(tmp_path / "async", *partial))
+    learner = Learner(cfg, port=free_port())
+    asyn = _recorded(learner)
+    train_async_in_process(learner, cfg)
+    assert len(sync) == len(asyn) == 3
+    for step, (a, b) in enumerate(zip(sync, asyn, strict=True), start=1):
+        assert a["responses"] == b["responses"], f"step {step}: samples"
+        assert a["scores"] == b["scores"], f"step {step}: scores"
+        loss = a["metrics"]["actor/pg_loss"]
+        assert b["metrics"]["actor/pg_loss"] == pytest.approx(loss, abs=1e-5), f"step {step}"
+        assert b["metrics"]["async/token_staleness/mean"] == 0.0
+        assert b["metrics"]["async/partial/switched_fraction"] == 0.0
+    views = views_from_run(tmp_path / "async", step=3)
+    assert views and all(set(v.columns["version"]) == {2} for v in views)
