@@ -149,7 +149,5 @@ def choices_text(metadata: Mapping[str, Any], choices: tuple[str, ...]) -> str:
 
 def kl_choices() -> tuple[str, ...]:
     """KL estimator names, each also with a trailing '+' (straight-through)."""
-    from creditrl.core import KL_ESTIMATORS
-
-    names = tuple(KL_ESTIMATORS.names())
+    names = choices_of({"choices_from": "creditrl.core:KL_ESTIMATORS"}) or ()
     return names + tuple(f"{name}+" for name in names)

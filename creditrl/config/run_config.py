@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from creditrl.config.checks import run_code_finders
 from creditrl.config.fields import format_value
 from creditrl.config.limits import shorten
 from creditrl.config.loader import _read_yaml, load_config_with_sources
@@ -74,9 +75,9 @@ def load_run_config(
 
 
 def run_code(cfg: Config) -> list[str]:
-    """``key=value`` of each setting of ``cfg`` that names code to import or run."""
-    from creditrl.rollout.strategies import strategy_traits
-
+    """``key=value`` of each setting of ``cfg`` that names code to import or run: those here,
+    then those the selected rollout strategy runs (registered with ``register_run_code``, by
+    ``creditrl.rollout.checks``)."""
     found = []
     if cfg.trainer.extensions:
         found.append(f"trainer.extensions={format_value(cfg.trainer.extensions)}")
@@ -84,13 +85,6 @@ def run_code(cfg: Config) -> list[str]:
         found.append(f"reward.scorer={format_value(cfg.reward.scorer)}")
     if is_code_spec(cfg.algorithm.adv_estimator):
         found.append(f"algorithm.adv_estimator={format_value(cfg.algorithm.adv_estimator)}")
-    traits = strategy_traits(cfg)  # the code the selected rollout strategy runs
-    if cfg.env.verifiers is not None:
-        found.append(f"env.verifiers={format_value(cfg.env.verifiers)}")
-    elif cfg.env.openenv is not None:
-        found.append(f"env.openenv={format_value(cfg.env.openenv)}")
-    elif traits.runs_program:
-        found.append(f"agent.program={format_value(cfg.agent.program)}")
-    if traits.uses_tools and cfg.agent.tool_config is not None:
-        found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")
+    for finder in run_code_finders():
+        found.extend(finder(cfg))
     return [shorten(item, 120) for item in found]

@@ -4,8 +4,9 @@ its choices, each number against its range, and combinations that cannot train (
 
 ``load_config`` runs them; a Config built directly in code is not checked. A key's choices and
 range live on its field in ``schema.py`` (``creditrl.config.fields``); registry-backed choices
-are read from the registries in ``creditrl.core`` when checked, so a user-registered estimator
-or loss is accepted. Rules that relate several keys live here.
+are read from the registries named there when checked, so a user-registered estimator or loss
+is accepted. Rules that relate several keys live here; those that need what a registered name
+declared live with its registry, which registers them (``creditrl.config.checks``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from creditrl.config.checks import (
+    UnusedRule,
+    config_checks,
+    register_config_check,
+    register_unused_rule,
+    unused_rules,
+)
 from creditrl.config.fields import (
     FLOAT32_MAX,
     Range,
@@ -35,100 +43,13 @@ __all__ = [
     "RANGES",
     "Range",
     "all_choices",
+    "check_batches",
     "format_value",
     "import_extensions",
     "schema_fields",
     "unused_settings",
-    "uses_critic",
     "validate_config",
 ]
-
-
-def _estimator(cfg: Config) -> dict[str, Any] | None:
-    """What the configured estimator declared at registration (``requires``, ``grouped``,
-    ``options``); None for a ``file.py:name`` spec, which is judged once it is loaded."""
-    from creditrl.core import ADV_ESTIMATORS
-
-    name = cfg.algorithm.adv_estimator
-    return ADV_ESTIMATORS.info(name) if name in ADV_ESTIMATORS else None
-
-
-def _declares(cfg: Config, key: str, value: str | None = None) -> bool:
-    """The estimator declares ``key`` (a flag), or ``value`` among ``key``'s names."""
-    info = _estimator(cfg)
-    if info is None:
-        return True
-    return bool(info.get(key)) if value is None else value in info.get(key, ())
-
-
-def _declared(cfg: Config, registry: str, name: str, option: str) -> bool:
-    """``name`` in ``creditrl.core``'s ``registry`` declared ``option`` among the settings it
-    reads (``register_*(options=)``); an unknown name reads everything (it is refused
-    elsewhere)."""
-    import creditrl.core
-
-    entries = getattr(creditrl.core, registry)
-    return name not in entries or option in entries.info(name).get("options", ())
-
-
-def _strategy(cfg: Config) -> Any:
-    """What the rollout strategy ``cfg`` selects declared (``creditrl.rollout.strategies``)."""
-    from creditrl.rollout.strategies import strategy_traits
-
-    return strategy_traits(cfg)
-
-
-def _autocast(cfg: Config) -> str:
-    """What ``actor.autocast`` resolves to for this config's update ('bf16' or 'none')."""
-    from creditrl.workers.placement import update_autocast
-
-    return update_autocast(cfg)
-
-
-def _engine_traits(cfg: Config) -> Any:
-    """What the configured engine declared (``register_rollout_engine``); the defaults for a
-    name not registered (refused elsewhere)."""
-    from creditrl.rollout import ROLLOUT_ENGINES
-    from creditrl.rollout.engine import EngineTraits, engine_traits
-
-    name = cfg.rollout.engine
-    return engine_traits(name) if name in ROLLOUT_ENGINES else EngineTraits()
-
-
-def _other_engines_options(cfg: Config) -> tuple[str, ...]:
-    """The ``rollout.*`` keys that registered engines declare as their options and the
-    configured engine does not."""
-    from creditrl.rollout import ROLLOUT_ENGINES
-    from creditrl.rollout.engine import engine_traits
-
-    ours = set(_engine_traits(cfg).options)
-    declared = {
-        key
-        for name in ROLLOUT_ENGINES
-        for key in engine_traits(name).options
-        if isinstance(key, str)  # an Option of its own lives under rollout.engine_kwargs
-    }
-    return tuple(f"rollout.{key}" for key in sorted(declared - ours))
-
-
-def _loss_reads(cfg: Config, option: str) -> bool:
-    """The configured policy loss declared ``option`` (``register_policy_loss(options=)``)."""
-    return _declared(cfg, "POLICY_LOSSES", cfg.actor.policy_loss, option)
-
-
-def _loss_reads_teacher(cfg: Config) -> bool:
-    """The configured policy loss declared ``requires=("teacher_log_prob",)``."""
-    from creditrl.core import POLICY_LOSSES
-
-    name = cfg.actor.policy_loss
-    return name in POLICY_LOSSES and "teacher_log_prob" in POLICY_LOSSES.info(name).get(
-        "requires", ()
-    )
-
-
-def uses_critic(cfg: Config) -> bool:
-    """The configured estimator requires ``values`` (so a critic is built)."""
-    return _declares(cfg, "requires", "values")
 
 
 def schema_fields(
@@ -217,7 +138,9 @@ def _check_numbers(cfg: Config) -> None:
             )
 
 
-def _check_batches(cfg: Config, section: str) -> None:
+def check_batches(cfg: Config, section: str) -> None:
+    """``section``'s mini-batch against the batch and the workers (``actor`` here; ``critic``
+    where the estimator builds one, ``creditrl.core.checks``)."""
     batch, n, workers = cfg.data.train_batch_size, cfg.rollout.n, cfg.trainer.workers
     mini = value_at(cfg, f"{section}.ppo_mini_batch_size")
     if mini > batch:
@@ -237,32 +160,20 @@ def _check_batches(cfg: Config, section: str) -> None:
         )
 
 
-def _check_endpoint_host(cfg: Config) -> None:
-    """agent.endpoint_host is a loopback address unless agent.endpoint_allow_remote=true (the
-    endpoint speaks plain HTTP; '' and 0.0.0.0 would serve every interface)."""
-    from creditrl.asynchronous.transport import is_loopback
-
-    host = cfg.agent.endpoint_host
-    if not is_loopback(host) and not cfg.agent.endpoint_allow_remote:
-        raise ConfigError(
-            f"agent.endpoint_host={host!r} is not a loopback address: the endpoint serves plain "
-            "HTTP (the run's key in clear) on it; use 127.0.0.1, or set "
-            "agent.endpoint_allow_remote=true"
-        )
+# The order of the registered checks: the first refusal a config meets. The checks of the
+# layers that own the registries sit between these (creditrl.asynchronous.checks at 10,
+# creditrl.core.checks at 30 and 40, creditrl.rollout.checks at 60 and 80,
+# creditrl.workers.placement at 90, creditrl.agents.checks at 300).
 
 
-def _check_combinations(cfg: Config) -> None:
+@register_config_check("actor_batches", order=20)
+def _check_actor_batches(cfg: Config) -> None:
+    check_batches(cfg, "actor")
+
+
+@register_config_check("groups_and_bounds", order=50)
+def _check_groups_and_bounds(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
-    _check_endpoint_host(cfg)
-    _check_batches(cfg, "actor")
-    if uses_critic(cfg) and _estimator(cfg) is not None:
-        _check_batches(cfg, "critic")
-    if _estimator(cfg) is not None and _declares(cfg, "grouped") and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} compares the rollout.n answers to each "
-            f"prompt; rollout.n={n} gives every advantage 0; set rollout.n >= 2 or use an "
-            "estimator without groups (gae, reinforce_plus_plus, remax)"
-        )
     if alg.filter_groups.enable and n < 2:
         raise ConfigError(
             f"algorithm.filter_groups.enable=true keeps groups whose scores vary; rollout.n={n} "
@@ -285,34 +196,25 @@ def _check_combinations(cfg: Config) -> None:
             f"trainer.workers={cfg.trainer.workers} needs trainer.backend=ray "
             "(the local backend is one process)"
         )
-    if cfg.model.lora_rank > 0 and not _engine_traits(cfg).supports_lora:
-        raise ConfigError(
-            f"rollout.engine={cfg.rollout.engine} with model.lora_rank > 0 is not supported yet"
-        )
+
+
+@register_config_check("validation_samples", order=70)
+def _check_validation_samples(cfg: Config) -> None:
     if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature == 0:
         raise ConfigError(
             f"rollout.val_n={cfg.rollout.val_n} with rollout.val_temperature=0 validates with "
             f"{cfg.rollout.val_n} identical greedy answers (pass@k would equal mean@1); set "
             "rollout.val_temperature > 0 or rollout.val_n=1"
         )
-    static = cfg.rollout.engine_kwargs.get("decode_cache")
-    if static == "static" and _strategy(cfg).multi_turn and cfg.agent.keep_kv_cache:
-        raise ConfigError(
-            "rollout.engine_kwargs.decode_cache=static decodes from a preallocated KV cache, "
-            "which cannot keep a turn's KV for the next (agent.keep_kv_cache=true); set "
-            "agent.keep_kv_cache=false or decode_cache=auto"
-        )
-    if cfg.rollout.engine_kwargs.get("sample_dtype") == "bfloat16" and _autocast(cfg) != "bf16":
-        raise ConfigError(
-            "rollout.engine_kwargs.sample_dtype=bfloat16 samples from a bf16 copy whose "
-            "log-probs are not the update's, and actor.autocast resolves to none here (the "
-            "update would reuse them as old_log_probs): set actor.autocast=bf16 or "
-            "sample_dtype=model"
-        )
+
+
+@register_config_check("data", order=100)
+def _check_data(cfg: Config) -> None:
     if not cfg.data.task and not cfg.data.train_files:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
 
 
+@register_config_check("paths", order=200)
 def _check_paths(cfg: Config) -> None:
     model = cfg.model
     if model.path != "embedded" and not Path(model.path).is_dir():
@@ -329,15 +231,6 @@ def _check_paths(cfg: Config) -> None:
         )
 
 
-def _check_distill(cfg: Config) -> None:
-    """``creditrl.config.teacher_check.check_distill`` with what the registries declare."""
-    from creditrl.agents.tasks import AGENT_TASKS
-    from creditrl.config.teacher_check import check_distill
-
-    agent_task = cfg.data.task in AGENT_TASKS and not cfg.data.train_files
-    check_distill(cfg, _loss_reads_teacher(cfg), agent_task)
-
-
 def import_extensions(cfg: Config) -> None:
     """Import ``trainer.extensions`` (once per process), so what they register is known."""
     for target in cfg.trainer.extensions:
@@ -347,18 +240,21 @@ def import_extensions(cfg: Config) -> None:
 def validate_config(cfg: Config, *, import_code: bool = True) -> None:
     """Raise a one-line ConfigError for the first setting ``cfg`` cannot train with, after
     importing ``trainer.extensions`` (unless ``import_code`` is false: a run's config read as
-    data); fills in the options extensions declare (``creditrl.config.options``)."""
+    data); fills in the options extensions declare (``creditrl.config.options``). After the
+    choices, options and numbers, every check registered with ``creditrl.config.checks`` runs
+    in its order (those here, and those of the registries)."""
     if import_code:
         import_extensions(cfg)
     _check_choices(cfg)
     resolve_options(cfg)
     _check_numbers(cfg)
-    _check_combinations(cfg)
-    _check_paths(cfg)
-    _check_distill(cfg)
+    for check in config_checks():
+        check(cfg)
 
 
-# (condition under which the keys are unused, keys (a trailing '.' takes a section), reason)
+# (condition under which the keys are unused, keys (a trailing '.' takes a section), reason);
+# the rules that need a registry's declarations are registered by it (creditrl.core.checks at
+# 0, 110, 170-240; creditrl.rollout.checks at 10-40 and 140)
 PROGRAM_KEYS = tuple(
     f"agent.{k}"
     for k in ("max_concurrent_episodes", "episode_timeout_s", "endpoint_host", "endpoint_port",
@@ -370,160 +266,113 @@ BUILT_IN_LOOP_KEYS = tuple(
               "max_calls_per_turn", "tool_output_max_chars", "truncate_side", "reward_manager",
               "reward_distribution")
 )  # fmt: skip
-UnusedRule = tuple[
-    Callable[[Config], bool],
-    tuple[str, ...] | Callable[[Config], tuple[str, ...]],
-    Callable[[Config], str],
-]
-UNUSED_RULES: tuple[UnusedRule, ...] = (
-    (
-        lambda c: not uses_critic(c),
-        ("critic.", "model.critic_path", "trainer.critic_warmup", "trainer.critic_placement"),
-        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
-    ),
-    (
-        lambda c: not _strategy(c).multi_turn,
-        ("agent.",),
-        lambda c: "agent.enable=false",
-    ),
-    (
-        lambda c: _strategy(c).multi_turn and not _strategy(c).runs_program,
-        PROGRAM_KEYS,
-        lambda c: "agent.program is not set (these are its settings)",
-    ),
-    (
-        lambda c: _strategy(c).multi_turn and not _strategy(c).uses_tools,
-        BUILT_IN_LOOP_KEYS,
-        lambda c: "agent.program runs its own loop and tools (these are the built-in loop's)",
-    ),
-    (
-        lambda c: bool(c.data.train_files) or _strategy(c).multi_turn,
-        ("data.few_shot",),
-        lambda c: (
-            "data.train_files holds the prompts"
-            if c.data.train_files
-            else "agent tasks show their own example (data.task_kwargs.few_shot)"
+UNUSED_RULES: dict[str, tuple[float, UnusedRule]] = {
+    "kl_in_reward": (
+        50,
+        UnusedRule(
+            lambda c: not c.algorithm.use_kl_in_reward,
+            ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),
+            lambda c: "algorithm.use_kl_in_reward=false",
         ),
     ),
-    (
-        lambda c: not c.algorithm.use_kl_in_reward,
-        ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),
-        lambda c: "algorithm.use_kl_in_reward=false",
-    ),
-    (
-        lambda c: not c.actor.use_kl_loss,
-        ("actor.kl_loss_type", "actor.kl_loss_coef"),
-        lambda c: "actor.use_kl_loss=false",
-    ),
-    *(
-        (
-            lambda c, s=section: not value_at(c, f"algorithm.{s}.enable"),
-            (f"algorithm.{section}.",),
-            lambda c, s=section: f"algorithm.{s}.enable=false",
-        )
-        for section in ("rollout_is", "filter_groups", "overlong_buffer")
-    ),
-    (
-        lambda c: c.distill.teacher is None,
-        ("distill.",),
-        lambda c: "distill.teacher is not set (no distillation)",
-    ),
-    (
-        lambda c: c.distill.teacher is not None and _loss_reads_teacher(c),
-        ("distill.coef", "distill.combine"),
-        lambda c: (
-            f"actor.policy_loss={c.actor.policy_loss} trains on the teacher's log-probs "
-            "alone (these shape the rewards it does not read)"
+    "kl_loss": (
+        60,
+        UnusedRule(
+            lambda c: not c.actor.use_kl_loss,
+            ("actor.kl_loss_type", "actor.kl_loss_coef"),
+            lambda c: "actor.use_kl_loss=false",
         ),
     ),
-    (
-        lambda c: c.distill.teacher_prompt != "few_shot",
-        ("distill.teacher_few_shot",),
-        lambda c: f"distill.teacher_prompt={c.distill.teacher_prompt}",
-    ),
-    (
-        lambda c: not c.reward.reward_model.enable,
-        ("reward.reward_model.",),
-        lambda c: "reward.reward_model.enable=false",
-    ),
-    (
-        lambda c: True,
-        lambda c: _other_engines_options(c),
-        lambda c: f"rollout.engine={c.rollout.engine} (these settings are other engines')",
-    ),
-    (
-        lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
-        ("trainer.ray.", "trainer.critic_placement"),
-        lambda c: "trainer.backend=local",
-    ),
-    (
-        lambda c: c.model.lora_rank == 0,
-        ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
-        lambda c: "model.lora_rank=0 (no LoRA)",
-    ),
-    *(
-        (
-            lambda c, key=key: not _declared(c, "KL_CONTROLLERS", c.algorithm.kl_ctrl.type, key),
-            (f"algorithm.kl_ctrl.{key}",),
-            lambda c: f"algorithm.kl_ctrl.type={c.algorithm.kl_ctrl.type}",
+    **{
+        section: (
+            order,
+            UnusedRule(
+                lambda c, s=section: not value_at(c, f"algorithm.{s}.enable"),
+                (f"algorithm.{section}.",),
+                lambda c, s=section: f"algorithm.{s}.enable=false",
+            ),
         )
-        for key in ("target_kl", "horizon")
-    ),
-    (
-        lambda c: not _declares(c, "options", "lam"),
-        ("algorithm.lam",),
-        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} has no lambda",
-    ),
-    (
-        lambda c: not _declares(c, "options", "gamma"),
-        ("algorithm.gamma",),
-        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} does not discount",
-    ),
-    (
-        lambda c: not _declares(c, "options", "norm_adv_by_std_in_grpo"),
-        ("algorithm.norm_adv_by_std_in_grpo",),
-        lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} divides by no group std",
-    ),
-    (
-        lambda c: not _loss_reads(c, "clip_ratio_c"),
-        ("actor.clip_ratio_c",),
-        lambda c: f"actor.policy_loss={c.actor.policy_loss} has no dual clip",
-    ),
-    (
-        lambda c: not _loss_reads(c, "tau_pos"),
-        ("actor.tau_pos", "actor.tau_neg"),
-        lambda c: f"actor.policy_loss={c.actor.policy_loss} is not sapo (it has no gate)",
-    ),
-    (
-        lambda c: not _declared(c, "LOSS_AGG_MODES", c.actor.loss_agg_mode, "loss_scale_factor"),
-        ("actor.loss_scale_factor",),
-        lambda c: f"actor.loss_agg_mode={c.actor.loss_agg_mode} divides by no constant",
-    ),
-    (
-        lambda c: c.algorithm.filter_groups.enable,
-        ("reward.async_reward",),
-        lambda c: (
-            "algorithm.filter_groups.enable=true scores each generation batch before "
-            "choosing groups, so scoring cannot overlap the log-prob pass"
+        for order, section in ((70, "rollout_is"), (80, "filter_groups"), (90, "overlong_buffer"))
+    },
+    "distill": (
+        100,
+        UnusedRule(
+            lambda c: c.distill.teacher is None,
+            ("distill.",),
+            lambda c: "distill.teacher is not set (no distillation)",
         ),
     ),
-    *(
-        (
-            lambda c, s=section: value_at(c, f"{s}.use_dynamic_bsz") is False,
-            (f"{section}.max_token_len_per_device",),
-            lambda c, s=section: f"{s}.use_dynamic_bsz=false",
-        )
-        for section in ("actor", "critic")
+    "teacher_prompt": (
+        120,
+        UnusedRule(
+            lambda c: c.distill.teacher_prompt != "few_shot",
+            ("distill.teacher_few_shot",),
+            lambda c: f"distill.teacher_prompt={c.distill.teacher_prompt}",
+        ),
     ),
-    *(
-        (
-            lambda c, s=section: value_at(c, f"{s}.optim.lr_scheduler") == "constant",
-            (f"{section}.optim.min_lr_ratio",),
-            lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
-        )
-        for section in ("actor", "critic")
+    "reward_model": (
+        130,
+        UnusedRule(
+            lambda c: not c.reward.reward_model.enable,
+            ("reward.reward_model.",),
+            lambda c: "reward.reward_model.enable=false",
+        ),
     ),
-)
+    "local_backend": (
+        150,
+        UnusedRule(
+            lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
+            ("trainer.ray.", "trainer.critic_placement"),
+            lambda c: "trainer.backend=local",
+        ),
+    ),
+    "lora": (
+        160,
+        UnusedRule(
+            lambda c: c.model.lora_rank == 0,
+            ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
+            lambda c: "model.lora_rank=0 (no LoRA)",
+        ),
+    ),
+    "async_reward": (
+        250,
+        UnusedRule(
+            lambda c: c.algorithm.filter_groups.enable,
+            ("reward.async_reward",),
+            lambda c: (
+                "algorithm.filter_groups.enable=true scores each generation batch before "
+                "choosing groups, so scoring cannot overlap the log-prob pass"
+            ),
+        ),
+    ),
+    **{
+        f"{section}_dynamic_bsz": (
+            order,
+            UnusedRule(
+                lambda c, s=section: value_at(c, f"{s}.use_dynamic_bsz") is False,
+                (f"{section}.max_token_len_per_device",),
+                lambda c, s=section: f"{s}.use_dynamic_bsz=false",
+            ),
+        )
+        for order, section in ((260, "actor"), (270, "critic"))
+    },
+    **{
+        f"{section}_lr_scheduler": (
+            order,
+            UnusedRule(
+                lambda c, s=section: value_at(c, f"{s}.optim.lr_scheduler") == "constant",
+                (f"{section}.optim.min_lr_ratio",),
+                lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
+            ),
+        )
+        for order, section in ((280, "actor"), (290, "critic"))
+    },
+}
+"""The unused-settings rules config judges alone: {name: (order, rule)}, registered below."""
+for _name, (_order, _rule) in UNUSED_RULES.items():
+    register_unused_rule(
+        _name, order=_order, applies=_rule.applies, keys=_rule.keys, reason=_rule.reason
+    )
 
 
 def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:
@@ -531,7 +380,9 @@ def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:
     not use, with their values and why, e.g. "critic.optim.lr=1e-05 is set but
     algorithm.adv_estimator=grpo uses no critic"."""
     lines = []
-    for applies, rule_keys, reason in UNUSED_RULES:
+    for applies, rule_keys, reason in (
+        (rule.applies, rule.keys, rule.reason) for rule in unused_rules()
+    ):
         if not applies(cfg):
             continue
         keys = rule_keys(cfg) if callable(rule_keys) else rule_keys

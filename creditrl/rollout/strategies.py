@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from creditrl.config.fields import value_at
+from creditrl.config.checks import register_run_code
+from creditrl.config.fields import format_value, value_at
 from creditrl.config.schema import Config
 from creditrl.core.registry import Registry
 from creditrl.errors import ConfigError
@@ -33,6 +34,7 @@ __all__ = [
     "build_rollout",
     "register_rollout_strategy",
     "rollout_strategy",
+    "strategy_code",
     "strategy_traits",
 ]
 
@@ -156,6 +158,23 @@ def rollout_strategy(cfg: Config) -> str:
 def strategy_traits(cfg: Config) -> StrategyTraits:
     """What the strategy ``cfg`` selects declared."""
     return ROLLOUT_STRATEGIES.info(rollout_strategy(cfg))["traits"]
+
+
+@register_run_code("rollout_strategy", order=10)
+def strategy_code(cfg: Config) -> list[str]:
+    """``key=value`` of the settings naming the code the selected strategy runs (listed by
+    ``creditrl.config.run_config.run_code``, registered with ``creditrl.config.checks``)."""
+    found = []
+    traits = strategy_traits(cfg)
+    if cfg.env.verifiers is not None:
+        found.append(f"env.verifiers={format_value(cfg.env.verifiers)}")
+    elif cfg.env.openenv is not None:
+        found.append(f"env.openenv={format_value(cfg.env.openenv)}")
+    elif traits.runs_program:
+        found.append(f"agent.program={format_value(cfg.agent.program)}")
+    if traits.uses_tools and cfg.agent.tool_config is not None:
+        found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")
+    return found
 
 
 def build_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
