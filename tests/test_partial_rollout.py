@@ -11,15 +11,22 @@ other batch shapes; the turn-cache tests measure <= 2e-6).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import synthetic_group, tiny_learner_config, train_async_in_process
+from helpers import (
+    chat_prompts,
+    synthetic_group,
+    tiny_engine_config,
+    tiny_learner_config,
+    train_async_in_process,
+)
 
 from creditrl.asynchronous.launcher import free_port, load_from_args
 from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import MessageError
-from creditrl.asynchronous.partial import PartialRollout, version_metrics
+from creditrl.asynchronous.partial import PartialRollout, group_versions, version_metrics
 from creditrl.asynchronous.settings import check_async_config
 from creditrl.asynchronous.staleness import GroupBuffer, GroupStats
 from creditrl.asynchronous.validation import GroupLimits
@@ -32,8 +39,10 @@ from creditrl.models.tiny import tiny_model_dir
 from creditrl.rollout import HFRolloutEngine
 from creditrl.trainers.rl_trainer import RLTrainer
 from creditrl.workers import policy_forward
+from creditrl.workers.hybrid import HybridWorker
 
 LOG_PROB_ATOL = 1e-5
+QUESTIONS = ("What is 3 + 4?", "Name a colour, then stop.")
 PROMPTS = [[1, 520, 9, 33, 4001, 77], [1, 12, 13], [1, 900, 901, 902, 903, 904, 905]]
 
 
@@ -151,14 +160,15 @@ def _limits() -> GroupLimits:
 
 def test_token_versions_that_rise_from_the_group_version_pass():
     _limits().check(_with_versions([[2, 2, 3, 4], [2, 3, 3, 0]]), "s0", 0, 2, 4)
+    _limits().check(_with_versions([[3, 3, 3, 4], [2, 3, 3, 0]]), "s0", 0, 2, 4)  # a later start
 
 
 @pytest.mark.parametrize(
     ("versions", "current", "reason", "words"),
     [
         ([[2, 2, 3, 4], [2, 3, 3, 1]], 4, "value", "not 0 on padding"),
-        ([[2, 3, 2, 4], [2, 3, 3, 0]], 4, "value", "does not rise"),
-        ([[3, 3, 3, 3], [3, 3, 3, 0]], 4, "value", "does not rise from 2"),
+        ([[2, 3, 2, 4], [2, 3, 3, 0]], 4, "value", "row 0 decreases"),
+        ([[3, 3, 3, 3], [3, 3, 3, 0]], 4, "value", "oldest token_weight_version 3 is not"),
         ([[2, 2, 3, 5], [2, 3, 3, 0]], 4, "version", "outside [2, 4]"),
         ([[2, 1, 3, 4], [2, 3, 3, 0]], 4, "version", "outside [2, 4]"),
     ],
@@ -204,10 +214,65 @@ def test_config_refuses_keep_without_the_learners_importance_weights(tmp_path):
         check_async_config(cfg)
 
 
-def test_config_refuses_partial_rollout_of_multi_turn_episodes(tmp_path):
-    cfg = tiny_learner_config(tmp_path, "asynchronous.partial_rollout=true", "agent.enable=true")
-    with pytest.raises(ValueError, match="multi-turn"):
-        check_async_config(cfg)
+def test_between_two_turns_an_episode_takes_new_weights(tmp_path):
+    """An agent program of two turns (tests/programs/agents.py:two_turns) whose turn generator
+    refreshes: the weights change after the first turns' engine call. Every episode's first
+    turn is version 0, the tool result between takes the version before it, its second turn
+    version 1, and each turn's log-probs are those of the weights that sampled it (the kept
+    KV was dropped, so the second turn's context was prefilled under the new weights)."""
+    programs = Path(__file__).parent / "programs" / "agents.py"
+    cfg = tiny_engine_config(
+        tmp_path, "agent.enable=true", f"agent.program={programs}:two_turns",
+        "rollout.max_response_length=24", "reward.num_workers=0",
+        "asynchronous.partial_rollout=true",
+    )  # fmt: skip
+    worker = HybridWorker(cfg)
+    try:
+        model = worker.engine.model
+        old = copy.deepcopy(model)
+        calls = []
+
+        def refresh() -> int:
+            calls.append(1)
+            if len(calls) == 2:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn_like(p))
+            return 0 if len(calls) < 2 else 1
+
+        worker.rollout.turns.refresh = refresh
+        batch = worker.rollout.generate(chat_prompts(worker.tokenizer, QUESTIONS), seed=3)
+    finally:
+        worker.rollout.close()
+    assert len(calls) == 2  # the first turns in one engine call, the second turns in another
+    versions, turns = batch["token_weight_version"], batch["turn_ids"]
+    mask = batch["response_mask"].bool()
+    real = batch["attention_mask"][:, -mask.shape[1] :].bool()
+    assert versions[mask & (turns == 1)].eq(0).all() and versions[mask & (turns == 2)].eq(1).all()
+    assert versions[real & ~mask].eq(0).all() and versions[~real].eq(0).all()
+    with torch.no_grad():
+        under_old, _ = policy_forward(old, batch, 1.0)
+        under_new, _ = policy_forward(model, batch, 1.0)
+    behaviour = batch["rollout_log_probs"]
+    first, second = mask & (turns == 1), mask & (turns == 2)
+    torch.testing.assert_close(behaviour[first], under_old[first], atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(behaviour[second], under_new[second], atol=LOG_PROB_ATOL, rtol=0)
+    assert (behaviour[second] - under_old[second]).abs().max() > 1e-3
+    assert group_versions(batch, 2, 7) == [0, 0]
+
+
+def test_unknown_versions_take_their_groups_oldest():
+    """-1 (before an episode's first turn, an empty episode's placeholder) becomes the group's
+    oldest known version, or the default for a group with none."""
+    batch = synthetic_group()  # lengths 4 and 3
+    batch = Batch.concat([batch, synthetic_group(seq=1)])
+    batch["token_weight_version"] = torch.tensor(
+        [[-1, 3, 3, 4], [4, 4, 5, 0], [-1, -1, -1, -1], [-1, -1, -1, 0]]
+    )
+    assert group_versions(batch, 2, 9) == [3, 9]
+    assert batch["token_weight_version"].tolist() == [
+        [3, 3, 3, 4], [4, 4, 5, 0], [9, 9, 9, 9], [9, 9, 9, 0]
+    ]  # fmt: skip
 
 
 # ---- a run: the learner and a sampler in process ----------------------------------------------

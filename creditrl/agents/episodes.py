@@ -124,6 +124,7 @@ class _Turn:
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     kept: list[int] | None = field(default_factory=list)  # None once a chunk had none
+    versions: list[int] | None = field(default_factory=list)  # None once a chunk had none
 
     def next_request(self) -> TurnRequest:
         """The request that continues this turn from what it has sampled."""
@@ -329,8 +330,15 @@ class EpisodeRun:
             turn.ids += out.ids
             turn.log_probs += out.log_probs
             turn.kept = None if turn.kept is None or out.kept is None else turn.kept + out.kept
+            turn.versions = (
+                None if turn.versions is None or out.versions is None
+                else turn.versions + out.versions
+            )  # fmt: skip
             if out.done:
-                _settle(turn.future, TurnOutput(turn.ids, turn.log_probs, kept=turn.kept))
+                _settle(
+                    turn.future,
+                    TurnOutput(turn.ids, turn.log_probs, kept=turn.kept, versions=turn.versions),
+                )
             else:
                 going.append(turn)
         return going

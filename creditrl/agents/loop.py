@@ -75,7 +75,9 @@ class Trajectory:
     of each id, an observation taking the turn whose calls produced it; ``log_probs`` the
     sampling log-prob of each policy id, 0 on observations; ``kept_counts`` the size of the
     set the sampler drew each policy id from under top-k/top-p/min-p (0: the whole
-    vocabulary, and on observations)."""
+    vocabulary, and on observations); ``versions`` (None unless the turns recorded them: partial
+    rollout) the weight version of each policy id, an observation taking the version before it
+    (-1 before any: the sampler fills in the group's version)."""
 
     prompt_ids: list[int]
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -84,6 +86,7 @@ class Trajectory:
     turn_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     kept_counts: list[int] = field(default_factory=list)
+    versions: list[int] | None = None
     num_turns: int = 0
     stop_reason: str = ""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -99,9 +102,17 @@ class Trajectory:
         turn: int,
         log_probs: Sequence[float],
         kept: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None,
     ) -> None:
         if len(log_probs) != len(ids) or (kept is not None and len(kept) != len(ids)):
             raise ValueError(f"{len(ids)} ids, {len(log_probs)} log-probs and kept-set sizes")
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} ids and {len(versions)} weight versions")
+        if versions is not None and self.versions is None:
+            self.versions = [-1] * len(self.response_ids)
+        if self.versions is not None:
+            last = self.versions[-1] if self.versions else -1
+            self.versions.extend([last] * len(ids) if versions is None else map(int, versions))
         self.response_ids.extend(int(t) for t in ids)
         self.response_mask.extend([mask] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
@@ -272,7 +283,8 @@ class AgentLoop:
                 traj.stop_reason = "no_call"
                 return
             kept = None if out.kept is None else list(out.kept)[: len(ids)]
-            traj.append(ids, 1, turn, list(out.log_probs)[: len(ids)], kept)
+            versions = None if out.versions is None else list(out.versions)[: len(ids)]
+            traj.append(ids, 1, turn, list(out.log_probs)[: len(ids)], kept, versions)
             traj.turn_token_ids.append(ids)
             traj.num_turns = turn
             text = self.chat.assistant_content(ids, self.eos_token_ids)

@@ -73,6 +73,8 @@ def trajectories_to_batch(
     turn_ids = torch.zeros((size, width), dtype=torch.long)
     log_probs = torch.zeros((size, width), dtype=torch.float32)
     kept = torch.zeros((size, width), dtype=torch.long)
+    versioned = any(t.versions is not None for t in trajectories)
+    versions = torch.zeros((size, width), dtype=torch.long)
     for i, traj in enumerate(trajectories):
         n = len(traj.response_ids)
         responses[i, :n] = torch.tensor(traj.response_ids, dtype=torch.long)
@@ -82,6 +84,9 @@ def trajectories_to_batch(
         log_probs[i, :n] = torch.tensor(traj.log_probs, dtype=torch.float32)
         if traj.kept_counts:
             kept[i, :n] = torch.tensor(traj.kept_counts, dtype=torch.long)
+        if versioned:  # -1: not known here (filled in with the group's version)
+            known = traj.versions if traj.versions is not None else [-1] * max(n, 1)
+            versions[i, : len(known)] = torch.tensor(known, dtype=torch.long)
     response_mask = policy_mask if state_masking else real.clone()
     empty = [i for i, t in enumerate(trajectories) if not t.response_ids]
     real[empty, 0] = 1  # the placeholder that carries an empty episode's score
@@ -94,6 +99,8 @@ def trajectories_to_batch(
     }
     if bool(kept.any()):  # the sampler's kept sets (sampling replay), 0: whole vocabulary
         extra["rollout_kept_counts"] = kept * policy_mask
+    if versioned:  # partial rollout: the weight version of each token
+        extra["token_weight_version"] = versions
     out = assemble_rollout_batch(
         prompts, responses, log_probs, real, response_mask=response_mask, extra=extra
     )

@@ -179,7 +179,7 @@ class Transcript:
             return
         self.turn += 1
         traj = self.trajectory
-        traj.append(out.ids, 1, self.turn, out.log_probs, out.kept)
+        traj.append(out.ids, 1, self.turn, out.log_probs, out.kept, out.versions)
         traj.turn_token_ids.append(list(out.ids))
         traj.num_turns = self.turn
         self.reply_text = text

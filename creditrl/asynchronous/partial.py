@@ -32,7 +32,7 @@ from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.rollout.sampling import advance_seed
 from creditrl.rollout.turn_cache import TurnKVCache
 
-__all__ = ["PartialRollout", "version_metrics"]
+__all__ = ["PartialRollout", "group_versions", "version_metrics"]
 
 
 @dataclass
@@ -195,6 +195,26 @@ class PartialRollout:
         if self._records_kept:  # the engine's answers carry the kept sets (sampling replay)
             extra["rollout_kept_counts"] = kept
         return assemble_rollout_batch(prompts, responses, log_probs, real, extra=extra)
+
+
+def group_versions(batch: Batch, n: int, default: int) -> list[int]:
+    """The weight version of each group of ``n`` rows: the oldest version that sampled one of
+    its tokens (``token_weight_version`` over ``response_mask``), or ``default`` (the batch
+    has no per-token versions, or the group none known). Unknown versions (-1: a multi-turn
+    episode's tokens before its first turn, an empty episode's placeholder) are set to it in
+    place, so each row's versions never decrease and the group's lowest is its version."""
+    groups = len(batch) // n
+    if "token_weight_version" not in batch:
+        return [default] * groups
+    tokens, mask = batch["token_weight_version"], batch["response_mask"].bool()
+    out = []
+    for k in range(groups):
+        rows = tokens[k * n : (k + 1) * n]
+        known = rows[mask[k * n : (k + 1) * n] & (rows >= 0)]
+        version = int(known.min()) if len(known) else default
+        rows[rows < 0] = version
+        out.append(version)
+    return out
 
 
 def version_metrics(batch: Batch, version: int) -> dict[str, float]:

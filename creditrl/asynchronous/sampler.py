@@ -9,7 +9,8 @@ One batch of the loop, top to bottom (``Sampler.run``):
    resend everything unacknowledged);
 2. load the newest published weights, if newer (between batches; with
    ``asynchronous.partial_rollout`` also between decode chunks inside one,
-   ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights); wait
+   ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights; multi-turn
+   episodes: before every engine call, ``EngineTurnGenerator.refresh``); wait
    while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
    batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
@@ -45,7 +46,7 @@ from creditrl.asynchronous.messages import (
     episodes_message,
     group_of,
 )
-from creditrl.asynchronous.partial import PartialRollout
+from creditrl.asynchronous.partial import PartialRollout, group_versions
 from creditrl.asynchronous.settings import (
     check_async_config,
     max_message_bytes,
@@ -136,7 +137,9 @@ class Sampler:
         self.weights = WeightSubscriber(weight_root(cfg))
         self.weights_via = engine_traits(cfg.rollout.engine).weights_via
         self.version = self._load_weights(0)
-        if a.partial_rollout:  # the worker's rollout: chunks with newer weights between them
+        if a.partial_rollout and strategy_traits(cfg).multi_turn:  # between engine calls
+            self.worker.rollout.turns.refresh = self._refresh
+        elif a.partial_rollout:  # the worker's rollout: chunks with newer weights between them
             self.worker.rollout = PartialRollout(
                 self.worker.engine,
                 self.tokenizer,
@@ -183,16 +186,13 @@ class Sampler:
                 batch, rejected = self.pipeline.teacher_log_probs(batch)
             metrics["distill/rejected_teacher_prompts"] = float(rejected)
         del batch["sample_seed"]  # the learner never samples
-        version = self.version
-        if "token_weight_version" in batch:  # the oldest version that sampled a token
-            mask = batch["response_mask"].bool()
-            version = int(batch["token_weight_version"][mask].min()) if mask.any() else version
+        versions = group_versions(batch, self.n, self.version)
         groups = [
             group_of(
                 trim_group(batch[k * self.n : (k + 1) * self.n]),
                 self.sampler_id,
                 first + k,
-                version,
+                versions[k],
             )
             for k in range(len(rows))
         ]

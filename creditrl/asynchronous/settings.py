@@ -136,15 +136,6 @@ def check_async_config(cfg: Config) -> None:
             "per-token importance weights pi_old / pi_behaviour, which "
             "asynchronous.old_log_probs=sampler skips; use old_log_probs=learner"
         )
-    if a.partial_rollout:
-        from creditrl.rollout.strategies import rollout_strategy, strategy_traits
-
-        if strategy_traits(cfg).multi_turn:
-            raise ValueError(
-                "asynchronous.partial_rollout continues single-turn answers on newer weights; "
-                f"the {rollout_strategy(cfg)!r} rollout is multi-turn, whose episodes are not "
-                "continued across versions yet; set asynchronous.partial_rollout=false"
-            )
     if a.max_inflight_groups and a.max_inflight_groups * a.num_samplers < cfg.data.train_batch_size:
         raise ValueError(
             f"asynchronous.max_inflight_groups={a.max_inflight_groups} x num_samplers="

@@ -451,8 +451,8 @@ class GroupLimits:
 
 def _check_token_versions(group: Batch, where: str, version: int, current: int) -> None:
     """MessageError unless ``token_weight_version`` is 0 on padding and, over each row's
-    response tokens, never decreases, lies in [``version``, ``current``] and starts at
-    ``version`` (the group's weight_version is its rows' oldest token)."""
+    response tokens, never decreases and lies in [``version``, ``current``], the lowest of the
+    group's being ``version`` (its weight_version is its oldest token's)."""
     tokens, mask = group["token_weight_version"], group["response_mask"].bool()
     p = group["prompts"].shape[1]
     padding = group["attention_mask"][:, p:] == 0
@@ -465,9 +465,13 @@ def _check_token_versions(group: Batch, where: str, version: int, current: int) 
             "weight_version and the learner's)",
             "version",
         )
+    if len(real) and int(real.min()) != version:
+        raise MessageError(
+            f"{where}: the oldest token_weight_version {int(real.min())} is not the group's "
+            f"weight_version {version}",
+            "value",
+        )
     for i in range(len(group)):
         row = tokens[i][mask[i]]
-        if len(row) and (int(row[0]) != version or bool((row[1:] < row[:-1]).any())):
-            raise MessageError(
-                f"{where}: token_weight_version of row {i} does not rise from {version}", "value"
-            )
+        if bool((row[1:] < row[:-1]).any()):
+            raise MessageError(f"{where}: token_weight_version of row {i} decreases", "value")

@@ -21,11 +21,18 @@ KV cache is kept between its turns (``creditrl.rollout.turn_cache``, keyed by
 ``TurnRequest.sample``; a negative sample is never cached), so a turn prefills only the tokens
 appended since the previous one: that turn's last sampled token and the observation. The
 loop calls ``end_run()`` at the end of every run, which frees them.
+
+``refresh`` (None, or set by an async sampler with ``asynchronous.partial_rollout``) is called
+before every engine call: it loads newer published weights if any and returns the version
+sampled with from then on. On a change the kept KV caches are dropped (every context is
+prefilled again under the new weights), and each ``TurnOutput`` records the version of its
+tokens (``versions``), so a turn continued in chunks, or an episode's later turns, can be
+sampled by newer weights than its earlier tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -66,12 +73,15 @@ class TurnOutput:
     """The new tokens and log π_sample of each (float, same length); ``done`` is False when
     the turn goes on (a chunk ended before EOS, a stop string and the turn's budget); ``kept``
     the size of the set each token was drawn from when the engine records it
-    (``rollout_kept_counts``: top-k/top-p/min-p with ``rollout.sampling_replay``), else None."""
+    (``rollout_kept_counts``: top-k/top-p/min-p with ``rollout.sampling_replay``), else None;
+    ``versions`` the weight version that sampled each token when the generator has a
+    ``refresh`` (partial rollout), else None."""
 
     ids: list[int]
     log_probs: list[float]
     done: bool = True
     kept: list[int] | None = None
+    versions: list[int] | None = None
 
 
 class TurnGenerator(Protocol):
@@ -166,6 +176,8 @@ class EngineTurnGenerator:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.turn_engine = engine
+        self.refresh: Callable[[], int] | None = None
+        self.version: int | None = None
         self.turn_cache: TurnKVCache | None = None
         self.run_stats: dict[str, float | None] = {"prefill_tokens": 0.0}
         self.last_run_stats: dict[str, float | None] = {}
@@ -190,6 +202,7 @@ class EngineTurnGenerator:
         most ``chunk_tokens`` of them when set: ``done`` says whether the turn ended)."""
         if not requests:
             return []
+        version = self._refreshed()
         asked = [max(int(r.max_new_tokens), 0) for r in requests]
         if self.chunk_tokens:
             asked = [min(a, self.chunk_tokens) for a in asked]
@@ -216,8 +229,19 @@ class EngineTurnGenerator:
         for i, (request, a) in enumerate(zip(requests, asked, strict=True)):
             ids = responses[i, : min(int(lengths[i]), a)].tolist()
             row_kept = None if kept is None else kept[i]
-            outputs.append(self._turn(request, ids, log_probs[i], a, row_kept))
+            outputs.append(self._turn(request, ids, log_probs[i], a, row_kept, version))
         return outputs
+
+    def _refreshed(self) -> int | None:
+        """``refresh()``'s version (None without one); the kept KV caches are dropped when it
+        changed, so every context is prefilled under the weights that sample next."""
+        if self.refresh is None:
+            return None
+        version = self.refresh()
+        if self.version is not None and version != self.version and self.turn_cache is not None:
+            self.turn_cache.clear()
+        self.version = version
+        return version
 
     def _turn(
         self,
@@ -226,6 +250,7 @@ class EngineTurnGenerator:
         log_probs: torch.Tensor,
         asked: int,
         kept: torch.Tensor | None,
+        version: int | None = None,
     ) -> TurnOutput:
         """One request's output: ``ids`` cut at a stop string (looked for over the whole turn,
         the ids it sampled in earlier chunks included), and whether the turn ended."""
@@ -241,7 +266,11 @@ class EngineTurnGenerator:
         )
         n -= len(before)
         return TurnOutput(
-            ids[:n], log_probs[:n].tolist(), done, None if kept is None else kept[:n].tolist()
+            ids[:n],
+            log_probs[:n].tolist(),
+            done,
+            None if kept is None else kept[:n].tolist(),
+            None if version is None else [version] * n,
         )
 
     def _count(self, engine_stats: Mapping[str, float]) -> None:
