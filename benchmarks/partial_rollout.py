@@ -34,7 +34,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from async_vs_sync import async_start, read_jsonl, run_for, step_rows
+from async_vs_sync import async_start, read_jsonl, run_for
 from machine import cpu_flags
 
 RESULTS = Path(__file__).parent / "results"
@@ -57,8 +57,11 @@ ARMS = {
     "partial": ["asynchronous.partial_rollout=true", "asynchronous.staleness_policy=keep"],
     "partial_drop": ["asynchronous.partial_rollout=true"],
 }
-BIAS = [f"async/{k}/{m}" for k in ("trained", "late", "dropped") for m in ("episodes",
-        "response_length", "score")]  # fmt: skip
+BIAS = [
+    f"async/{kind}/{name}"
+    for kind in ("trained", "late", "dropped")
+    for name in ("episodes", "response_length", "score")
+]
 
 
 def sampler_rows(out: Path) -> list[list[dict]]:
@@ -73,8 +76,8 @@ def summarise(out: Path, start: float, rows: list[dict], seconds: float) -> dict
         raise SystemExit("no step ended within --seconds; give the runs more time")
     minutes = seconds / 60
     last = rows[-1]
-    samplers = [[b for b in batches if b["time"] <= start + seconds] for batches in
-                sampler_rows(out)]  # fmt: skip
+    end = start + seconds
+    samplers = [[b for b in batches if b["time"] <= end] for batches in sampler_rows(out)]
     validations = [
         (r["time"] - start, r["val/score"])
         for r in read_jsonl(out / "metrics.jsonl")
@@ -90,8 +93,7 @@ def summarise(out: Path, start: float, rows: list[dict], seconds: float) -> dict
         "dropped_groups": last.get("async/dropped_stale_groups", 0.0),
         "sampler_idle_s": sum(b[-1].get("sampler/idle_s", 0.0) for b in samplers if b),
         "sampler_batches": sum(len(b) for b in samplers),
-        "weight_switches": sum(x.get("sampler/weight_switches", 0.0) for b in samplers
-                               for x in b),  # fmt: skip
+        "weight_switches": sum(x.get("sampler/weight_switches", 0.0) for b in samplers for x in b),
         "mean_staleness": sum(r["async/staleness/mean"] for r in rows) / len(rows),
         "mean_token_staleness": (
             sum(r.get("async/token_staleness/mean", r["async/staleness/mean"]) for r in rows)
@@ -148,9 +150,9 @@ def main() -> None:
 
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
+    command = " ".join(["benchmarks/partial_rollout.py", *sys.argv[1:]])
     result = {"seconds_each": args.seconds, "arms": {}, "overrides": args.overrides,
-              "cpu": cpu_flags(), "command": " ".join(["benchmarks/partial_rollout.py",
-                                                       *sys.argv[1:]])}  # fmt: skip
+              "cpu": cpu_flags(), "command": command}  # fmt: skip
     for name in args.arms.split(","):
         out = args.out / name
         overrides = [*COMMON, *ARMS[name], *args.overrides, f"trainer.output_dir={out}"]

@@ -26,9 +26,9 @@ from helpers import (
 from creditrl.asynchronous.launcher import free_port, load_from_args
 from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import MessageError
-from creditrl.asynchronous.partial import PartialRollout, group_versions, version_metrics
+from creditrl.asynchronous.partial import PartialRollout, group_versions
 from creditrl.asynchronous.settings import check_async_config
-from creditrl.asynchronous.staleness import GroupBuffer, GroupStats
+from creditrl.asynchronous.staleness import GroupBuffer, GroupStats, version_metrics
 from creditrl.asynchronous.validation import GroupLimits
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config import load_config

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from creditrl.asynchronous.partial import version_metrics
 from creditrl.asynchronous.ranks import check_replicas, scatter_groups, stop_on_every_rank
 from creditrl.asynchronous.receiver import AsyncRolloutDumper, GroupReceiver
 from creditrl.asynchronous.settings import check_async_config, teacher_on_sampler, weight_root
@@ -99,11 +98,9 @@ class Learner(GroupReceiver, TrainingLoop):
         torch.manual_seed(cfg.trainer.seed)
         self.n = cfg.rollout.n
         self.schedule = Schedule.from_config(cfg.trainer)  # creditrl train's validations, saves
-        # on-policy rows keep the behaviour log-probs by `creditrl train`'s rule
-        self.reuse_behaviour = rollout_log_probs_reusable(cfg)
+        self.reuse_behaviour = rollout_log_probs_reusable(cfg)  # on-policy rows, as in train
         algorithm = cfg.algorithm
-        stale_rows = a.max_staleness > 0 or a.staleness_policy == "keep"
-        if a.old_log_probs == "learner" and stale_rows:  # stale rows: rollout IS
+        if a.old_log_probs == "learner" and (a.max_staleness or a.staleness_policy == "keep"):
             rollout_is = dataclasses.replace(cfg.algorithm.rollout_is, enable=True)
             algorithm = dataclasses.replace(cfg.algorithm, rollout_is=rollout_is)
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -195,7 +192,7 @@ class Learner(GroupReceiver, TrainingLoop):
                 self.taken = self.collect()
             full = concat_groups([g.batch for g in self.taken], self.tokenizer.pad_token_id)
             full["staleness"] = self.version - full["weight_version"]
-            self.group_stats.add_trained(full, self.cfg.asynchronous.max_staleness)
+            self.group_stats.add_trained(full, self.cfg.asynchronous.max_staleness, self.version)
         rows = self.groups_per_step // self.world * self.n
         return scatter_groups(full, self.world, rows), {}, full
 
@@ -234,8 +231,6 @@ class Learner(GroupReceiver, TrainingLoop):
 
     def source_metrics(self, whole: Batch) -> dict[str, float]:
         metrics = staleness_metrics(whole["staleness"])
-        if "token_weight_version" in whole:  # trained at self.version - 1 (before the update)
-            metrics.update(version_metrics(whole, self.version - 1))
         metrics.update(self.group_stats.metrics())
         metrics.update(self.training.scored_elsewhere_metrics(whole))
         metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})

@@ -32,7 +32,7 @@ from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
 from creditrl.rollout.sampling import advance_seed
 from creditrl.rollout.turn_cache import TurnKVCache
 
-__all__ = ["PartialRollout", "group_versions", "version_metrics"]
+__all__ = ["PartialRollout", "group_versions"]
 
 
 @dataclass
@@ -215,20 +215,3 @@ def group_versions(batch: Batch, n: int, default: int) -> list[int]:
         rows[rows < 0] = version
         out.append(version)
     return out
-
-
-def version_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """Per-token staleness at learner ``version``: ``async/token_staleness/{mean,max}`` of
-    ``version - token_weight_version`` over ``response_mask``, and
-    ``async/partial/switched_fraction``: the share of rows sampled by more than one version."""
-    mask = batch["response_mask"].bool()
-    tokens = batch["token_weight_version"]
-    staleness = (version - tokens)[mask].to(torch.float64)
-    big = torch.iinfo(torch.long).max
-    lowest = torch.where(mask, tokens, big).min(-1).values
-    highest = torch.where(mask, tokens, -1).max(-1).values
-    return {
-        "async/token_staleness/mean": float(staleness.mean()) if len(staleness) else 0.0,
-        "async/token_staleness/max": float(staleness.max()) if len(staleness) else 0.0,
-        "async/partial/switched_fraction": float((highest > lowest).to(torch.float64).mean()),
-    }

@@ -30,6 +30,7 @@ __all__ = [
     "StalenessProgress",
     "concat_groups",
     "staleness_metrics",
+    "version_metrics",
 ]
 
 _PROMPT_ALIGNED = ("input_ids", "attention_mask", "position_ids")
@@ -155,12 +156,14 @@ def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
 class GroupStats:
     """Run totals of the episodes a staleness policy dropped, trained late (past
     ``max_staleness``, ``staleness_policy=keep``) and trained in time: their count, response
-    length and score (``token_level_scores`` summed)."""
+    length and score (``token_level_scores`` summed); and the latest step's per-token
+    staleness (``partial.version_metrics``) when its rows carry ``token_weight_version``."""
 
     KINDS = ("trained", "late", "dropped")
 
     def __init__(self) -> None:
         self.totals = {k: [0, 0.0, 0.0] for k in self.KINDS}  # episodes, length sum, score sum
+        self.tokens: dict[str, float] = {}
 
     def add(self, kind: str, batch: Batch) -> None:
         """Count the episodes of ``batch`` under ``kind``."""
@@ -170,9 +173,11 @@ class GroupStats:
         if "token_level_scores" in batch:
             total[2] += float(batch["token_level_scores"].sum())
 
-    def add_trained(self, batch: Batch, max_staleness: int) -> None:
-        """Count a step's rows: ``late`` where ``staleness`` > ``max_staleness``, else
-        ``trained``."""
+    def add_trained(self, batch: Batch, max_staleness: int, version: int | None = None) -> None:
+        """Count a step's rows, trained at learner ``version``: ``late`` where ``staleness`` >
+        ``max_staleness``, else ``trained``."""
+        if version is not None and "token_weight_version" in batch:
+            self.tokens = version_metrics(batch, version)
         late = batch["staleness"] > max_staleness
         if bool(late.any()):
             self.add("late", batch[late])
@@ -182,13 +187,30 @@ class GroupStats:
     def metrics(self) -> dict[str, float]:
         """``async/{kind}/episodes``, and for kinds seen, ``async/{kind}/response_length`` and
         ``async/{kind}/score``: means over the run's episodes of that kind so far."""
-        out: dict[str, float] = {}
+        out: dict[str, float] = dict(self.tokens)
         for kind, (count, length, score) in self.totals.items():
             out[f"async/{kind}/episodes"] = float(count)
             if count:
                 out[f"async/{kind}/response_length"] = length / count
                 out[f"async/{kind}/score"] = score / count
         return out
+
+
+def version_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """Per-token staleness at learner ``version``: ``async/token_staleness/{mean,max}`` of
+    ``version - token_weight_version`` over ``response_mask``, and
+    ``async/partial/switched_fraction``: the share of rows sampled by more than one version."""
+    mask = batch["response_mask"].bool()
+    tokens = batch["token_weight_version"]
+    staleness = (version - tokens)[mask].to(torch.float64)
+    big = torch.iinfo(torch.long).max
+    lowest = torch.where(mask, tokens, big).min(-1).values
+    highest = torch.where(mask, tokens, -1).max(-1).values
+    return {
+        "async/token_staleness/mean": float(staleness.mean()) if len(staleness) else 0.0,
+        "async/token_staleness/max": float(staleness.max()) if len(staleness) else 0.0,
+        "async/partial/switched_fraction": float((highest > lowest).to(torch.float64).mean()),
+    }
 
 
 class StalenessProgress:
