@@ -66,3 +66,15 @@ def test_sizes_state_their_units() -> None:
     text = describe_sizes(load_config(overrides=["data.train_batch_size=4", "rollout.n=4"]))
     assert "4 prompts x rollout.n 4 = 16 trajectories" in text
     assert "trainer.total_steps" in all_keys() and "actor.optim.lr" in all_keys()
+
+
+def test_an_override_setting_a_mapping_whole_replaces_it() -> None:
+    """Another task's arguments must not inherit chain_sum's defaults: `data.task_kwargs={...}`
+    replaces the mapping, `data.task_kwargs.name=value` sets one entry of it."""
+    whole = load_config(overrides=["data.task=word_sorting", "data.task_kwargs={max_words: 5}"])
+    assert whole.data.task_kwargs == {"max_words": 5}
+    assert load_config(overrides=["data.task_kwargs={}"]).data.task_kwargs == {}
+    one = load_config(overrides=["data.task_kwargs.max_terms=3"]).data.task_kwargs
+    assert one == {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    later = load_config(overrides=["data.task_kwargs={a: 1}", "data.task_kwargs.b=2"])
+    assert later.data.task_kwargs == {"a": 1, "b": 2}

@@ -239,6 +239,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
 
 
+def _mapping_field(key: str) -> bool:
+    """``key`` names a free-form mapping field (``data.task_kwargs``, ``rollout.engine_kwargs``,
+    ...): an override that sets it whole replaces its value (another task's arguments must not
+    inherit chain_sum's), while ``key.name=value`` still sets one entry."""
+    return typing.get_origin(_unwrap(_schema().get(key, Any))) is dict
+
+
 def _parse_override(item: str) -> dict[str, Any]:
     """``a.b=value`` as ``{"a": {"b": value}}``, the value read as YAML (within
     ``creditrl.config.limits``)."""
@@ -285,12 +292,16 @@ def load_config_with_sources(
             raise ConfigError(f"config file {path} does not exist")
         file_tree = _read_yaml(path)
     override_trees = []
+    replaced: dict[str, str] = {}  # mapping fields an override sets whole -> that override
     for item in overrides or []:
         tree = _parse_override(item)
+        key = item.split("=", 1)[0]
         if "preset" in tree:
             preset = str(tree["preset"])
         else:
             override_trees.append((tree, f"override '{shorten(item)}'"))
+            if _mapping_field(key):
+                replaced[key] = override_trees[-1][1]
     file_preset = file_tree.pop("preset", None)
     preset = preset or file_preset
     layers: list[tuple[dict[str, Any], str, bool]] = []
@@ -306,6 +317,8 @@ def load_config_with_sources(
     cfg = OmegaConf.structured(Config)
     explicit: set[str] = set()
     for tree, source, from_user in layers:
+        for key in [k for k, by in replaced.items() if by == source]:
+            OmegaConf.update(cfg, key, {}, merge=False)
         keys: set[str] = set()
         cfg = _merge(cfg, _normalise(tree, source, keys), source)
         if from_user:

@@ -66,7 +66,7 @@ class DataConfig:
     task_kwargs: dict[str, Any] = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
-    """Keyword arguments of the task's generator (not size or seed: see train_size, seed)."""
+    """Task generator kwargs (not size/seed); task_kwargs={...} replaces them, .k=v sets one."""
     train_size: int = field(default=2000, metadata=meta(range=AT_LEAST_1))
     """Training prompts generated for data.task (those repeating a val question are dropped)."""
     val_size: int = field(default=64, metadata=meta(range=AT_LEAST_0))
