@@ -4,8 +4,9 @@ Run: .venv/bin/python benchmarks/partial_rollout.py [--seconds 300] [--out DIR]
      [--arms drop,partial] [key=value ...]
 
 Each arm is ``creditrl async`` (learner and ``asynchronous.num_samplers=2`` samplers, one
-torch thread each; GRPO, SmolLM2-135M-Instruct, chain_sum, 4 prompts x 4 answers of up to 160
-new tokens, so answers are short and long; ``max_staleness=1``; validation on 16 held-out
+torch thread each; GRPO, SmolLM2-135M-Instruct, reasoning-gym's ``basic_arithmetic`` with its
+own defaults, whose answers run from 10 to 200+ tokens (chain_sum's are all about 15), 4
+prompts x 4 answers of up to 256 new tokens; ``max_staleness=1``; validation on 16 held-out
 prompts every 4 steps) plus the overrides, stopped ``--seconds`` after its first step began:
 
 - ``drop``: today's default: a sampler takes new weights between batches only, and a group
@@ -45,7 +46,9 @@ COMMON = [
     "data.val_size=16",
     "trainer.save_freq=0",
     "trainer.logger=[jsonl]",
-    "rollout.max_response_length=160",
+    "data.task=basic_arithmetic",
+    "data.task_kwargs={}",
+    "rollout.max_response_length=256",
     "asynchronous.num_samplers=2",
     "asynchronous.max_staleness=1",
     "asynchronous.learner_threads=1",
