@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
+from creditrl.batch import Batch, assemble_rollout_batch
+from creditrl.rollout.continuation import left_padded
 from creditrl.rollout.sampling import advance_seed
 from creditrl.rollout.turn_cache import TurnKVCache
 
@@ -132,21 +133,8 @@ class PartialRollout:
     ) -> None:
         """One engine call: at most ``chunk_tokens`` more tokens for each live row."""
         asked = [min(self.chunk_tokens, self.max_response_length - len(rows[i].ids)) for i in live]
-        contexts = [rows[i].prompt + rows[i].ids for i in live]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(live), width), dtype=torch.long)
-        for k, context in enumerate(contexts):
-            ids[k, width - len(context) :] = torch.as_tensor(context, dtype=torch.long)
-            attention[k, width - len(context) :] = 1
-        batch = Batch(
-            {
-                "input_ids": ids,
-                "attention_mask": attention,
-                "position_ids": position_ids_from_mask(attention),
-                "max_new_tokens": torch.tensor(asked, dtype=torch.long),
-            }
-        )
+        batch = left_padded([rows[i].prompt + rows[i].ids for i in live], self.pad_token_id)
+        batch["max_new_tokens"] = torch.tensor(asked, dtype=torch.long)
         if all(rows[i].seed is not None for i in live):
             batch["sample_seed"] = torch.tensor(
                 [advance_seed(rows[i].seed, len(rows[i].ids)) for i in live], dtype=torch.long

@@ -45,7 +45,14 @@ from creditrl.rollout.turn_cache import TurnKVCache
 if TYPE_CHECKING:
     from creditrl.rollout.engine import RolloutEngine
 
-__all__ = ["EngineTurnGenerator", "TurnGenerator", "TurnOutput", "TurnRequest", "cut_at_stop"]
+__all__ = [
+    "EngineTurnGenerator",
+    "TurnGenerator",
+    "TurnOutput",
+    "TurnRequest",
+    "cut_at_stop",
+    "left_padded",
+]
 
 
 @dataclass
@@ -134,7 +141,8 @@ def _has_stop(ids: list[int], tokenizer: Any, stop: Sequence[str]) -> bool:
     return any(s in text for s in stop)
 
 
-def _left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
+def left_padded(sequences: Sequence[list[int]], pad_id: int) -> Batch:
+    """``sequences`` as a left-padded prompt Batch (input_ids, attention_mask, position_ids)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -206,7 +214,7 @@ class EngineTurnGenerator:
         asked = [max(int(r.max_new_tokens), 0) for r in requests]
         if self.chunk_tokens:
             asked = [min(a, self.chunk_tokens) for a in asked]
-        prompts = _left_padded([r.ids for r in requests], self.pad_token_id)
+        prompts = left_padded([r.ids for r in requests], self.pad_token_id)
         prompts["max_new_tokens"] = torch.tensor([max(a, 1) for a in asked], dtype=torch.long)
         if all(r.seed is not None for r in requests):
             seeds = [advance_seed(r.seed, r.sampled) for r in requests]  # type: ignore[arg-type]
