@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from creditrl.models.document_attention import recompute_context
 from creditrl.models.embedded import embedded_model_dir
 from creditrl.models.model_dir import (
     ModelError,
@@ -134,9 +135,10 @@ def from_local(
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant); no KV cache."""
+    """Recompute each decoder layer's activations in backward (non-reentrant; the recomputation
+    runs under the forward's document attention, if any); no KV cache."""
     model.config.use_cache = False
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False, "context_fn": recompute_context}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -27,7 +27,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-from transformers import AttentionInterface, PreTrainedConfig
+from transformers import AttentionInterface
+
+from creditrl.models.document_attention import attention_configs
 
 __all__ = ["DECODE_ATTENTION", "decode_attention", "static_decode_attention"]
 
@@ -73,21 +75,11 @@ def static_decode_attention(
 AttentionInterface.register(DECODE_ATTENTION, static_decode_attention)
 
 
-def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
-    """The distinct configs ``model``'s modules read their attention implementation from."""
-    found: dict[int, PreTrainedConfig] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PreTrainedConfig):
-            found.setdefault(id(config), config)
-    return list(found.values())
-
-
 @contextmanager
 def decode_attention(model: torch.nn.Module, kv_width: int | None) -> Iterator[None]:
     """While active, ``model``'s attention runs ``static_decode_attention`` reading the first
     ``kv_width`` cache columns (None: all)."""
-    configs = _configs(model)
+    configs = attention_configs(model)
     before = [config._attn_implementation_internal for config in configs]
     token = _kv_width.set(kv_width)
     try:

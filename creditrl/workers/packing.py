@@ -7,7 +7,9 @@ N = sum_i (p_i + r_i) tokens, with ``position_ids`` restarting at 0 for each row
 transformers (checked with 5.23: ``masking_utils.find_packed_sequence_indices``) reads each
 restart as a new sequence and builds a block-diagonal causal mask for the sdpa,
 eager and flex kernels (flash-attention uses the same position_ids as varlen boundaries), so
-no token attends across rows. A model used here must pass ``position_ids`` through.
+no token attends across rows. A model used here must pass ``position_ids`` through. An sdpa
+model without sliding-window layers gets no N x N mask at all: the forward runs under
+``models.document_attention``, one causal attention call per row (``PackedSequences.lengths``).
 
 Alignment (docs/architecture.md): response token j of row i (0 <= j < r_i) sits at packed position
 o_i + p_i + j, o_i = sum_{k<i} (p_k + r_k); its log-prob and value come from the output at the
@@ -23,6 +25,7 @@ import torch
 
 from creditrl.batch import Batch
 from creditrl.core.entropy import Head
+from creditrl.models.document_attention import document_attention
 from creditrl.workers.forward import (
     DEFAULT_LOGITS_CHUNK_TOKENS,
     kept_of,
@@ -49,6 +52,7 @@ class PackedSequences:
     logit_positions: torch.Tensor  # (M,) packed positions whose output predicts a response token
     labels: torch.Tensor  # (M,) those response tokens, row by row
     response_valid: torch.Tensor  # (B, T) bool, True on the M real response columns
+    lengths: tuple[int, ...] = ()  # p_i + r_i for each row in turn (the documents)
 
 
 def _first_bad_row(bad: torch.Tensor) -> int:
@@ -94,6 +98,7 @@ def pack(batch: Batch) -> PackedSequences:
         logit_positions=before[response_valid],
         labels=responses[response_valid],
         response_valid=response_valid,
+        lengths=tuple(lengths.tolist()),
     )
 
 
@@ -116,13 +121,14 @@ def packed_policy_forward(
     (B, T) when asked (no gradient when ``entropy_grad`` is False); 0 on padding columns.
     Logits are computed only at the M positions before response tokens."""
     packed = pack(batch)
-    rows, head = output_rows(
-        model,
-        packed.logit_positions,
-        input_ids=packed.input_ids,
-        attention_mask=None,
-        position_ids=packed.position_ids,
-    )
+    with document_attention(model, packed.lengths):
+        rows, head = output_rows(
+            model,
+            packed.logit_positions,
+            input_ids=packed.input_ids,
+            attention_mask=None,
+            position_ids=packed.position_ids,
+        )
     return response_outputs(
         rows[0],
         packed,
@@ -170,5 +176,8 @@ def packed_value_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``value_forward`` on the packed micro-batch: values (B, T), ``values[:, j]`` =
     V(s_{j+1}); 0 on padding columns. ``model`` returns (1, N) values (``CriticModel``)."""
     packed = pack(batch)
-    out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids)
+    with document_attention(model, packed.lengths):
+        out = model(
+            input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids
+        )
     return unpack(out[0, packed.logit_positions].float(), packed)
