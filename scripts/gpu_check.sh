@@ -27,7 +27,7 @@ set -uo pipefail
 start=$SECONDS
 BUDGET_S=${BUDGET_S:-360}
 GPU_TESTS=(tests/test_gpu_smoke.py tests/test_optim.py tests/test_packing.py
-           tests/test_placement.py tests/test_static_decode.py)
+           tests/test_document_attention.py tests/test_placement.py tests/test_static_decode.py)
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
 if [ -f .whl/activate.sh ]; then

@@ -172,3 +172,29 @@ def test_each_document_is_its_own_causal_attention() -> None:
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
         want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ values
         torch.testing.assert_close(out[:, start:end], want.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_on_cuda_under_bf16_it_matches_the_dense_mask_and_holds_less() -> None:
+    """CUDA, bf16 autocast, 16 documents of 512 tokens: document attention's log-probs and
+    gradients are the dense packed mask's to bf16 rounding, and its peak memory is lower."""
+    model = tiny_lm_with_attn(seed=5).cuda().train()
+    lengths = [256] * 16
+    batch = padded_batch(lengths, lengths, p=256, t=256, seed=6).to("cuda")
+    results = {}
+    for arm, patch in (("dense", mock.patch.object(packing, "document_attention", dense)),
+                       ("documents", nullcontext())):  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with patch, torch.autocast("cuda", dtype=torch.bfloat16):
+            log_probs, _ = packed_policy_forward(model, batch)
+            log_probs.float().sum().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        results[arm] = (log_probs.detach().float(), _grads(model), peak)
+    (lp_dense, g_dense, mem_dense), (lp_docs, g_docs, mem_docs) = results.values()
+    assert (lp_docs - lp_dense).abs().max() <= 0.05
+    assert (g_docs - g_dense).abs().max() <= 0.02 * g_dense.abs().max()
+    assert mem_docs < mem_dense
