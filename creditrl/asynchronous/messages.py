@@ -7,8 +7,11 @@ on the wire is ever pickled, and decoding checks every field before the learner 
 
 Kinds (sampler -> learner): ``hello`` {sampler_id, pending}, ``episodes`` {sampler_id, seq,
 weight_version, episode_ids} + payload. (learner -> sampler): ``welcome`` {incarnation,
-weight_version}, ``ack`` {incarnation, weight_version, acks: [{seq, status, reason?}]},
-``stop`` {reason}, ``disconnected`` {reason, rejected}. ``seq`` numbers a sampler's groups 0,
+weight_version, queued?}, ``ack`` {incarnation, weight_version, queued?, acks: [{seq, status,
+reason?}]} (``acks`` may be empty: after each step every sampler hears the learner's version
+and queue), ``stop`` {reason}, ``disconnected`` {reason, rejected}. ``queued`` counts the
+groups of other samplers waiting in the learner's buffer, to be trained before any group the
+addressed sampler sends next. ``seq`` numbers a sampler's groups 0,
 1, 2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its
 k-th answer. A ``rejected`` acknowledgement names its ``reason`` (``validation.REASONS``) and
 has ``seq`` null when the message carried no readable one. ``disconnected`` tells a sampler
@@ -115,15 +118,17 @@ def episodes_message(sampler_id: str, seq: int, group: Batch) -> list[bytes]:
     return encode("episodes", header, group.to_bytes())
 
 
-def ack_message(incarnation: str, weight_version: int, acks: list[tuple[int, str]]) -> list[bytes]:
-    """Frames acknowledging groups ``[(seq, status), ...]`` of one sampler."""
+def ack_message(
+    incarnation: str, weight_version: int, acks: list[tuple[int, str]], queued: int = 0
+) -> list[bytes]:
+    """Frames acknowledging groups ``[(seq, status), ...]`` of one sampler (none: only the
+    learner's version and ``queued``, the other samplers' groups it holds)."""
     for seq, status in acks:
         if status not in ACK_STATUSES:
             raise ValueError(f"ack status {status!r} for group {seq} not in {ACK_STATUSES}")
     body = [{"seq": int(seq), "status": status} for seq, status in acks]
-    return encode(
-        "ack", {"incarnation": incarnation, "weight_version": weight_version, "acks": body}
-    )
+    header = {"incarnation": incarnation, "weight_version": weight_version, "queued": queued}
+    return encode("ack", {**header, "acks": body})
 
 
 def reject_message(
@@ -216,6 +221,8 @@ def decode(frames: list[bytes], json_limits: JsonLimits = DEFAULT_JSON_LIMITS) -
             check_sampler_id(header.get("sampler_id"))
         if kind == "ack":
             _check_ack(header)
+        if kind in ("welcome", "ack") and "queued" in header:
+            _int(header, "queued")
         return Message(kind, header)
     except MessageError as e:
         e.seq = seq

@@ -133,7 +133,8 @@ class GroupReceiver:
             for seq, _, _ in acks:
                 self.ledger.add(sampler_id, seq)
         pairs = [(seq, status) for seq, status, _ in acks]
-        self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs))
+        queued = self.buffer.held_for_others(sampler_id)
+        self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs, queued))
 
     def _handle(self, sender: str, message: Message) -> int:
         """Act on one message that decoded; returns 1 for a group that passed every check."""
@@ -142,7 +143,8 @@ class GroupReceiver:
             return 0
         if message.kind == "hello":
             self.samplers.add(sender)
-            header = {"incarnation": self.incarnation, "weight_version": self.version}
+            header = {"incarnation": self.incarnation, "weight_version": self.version,
+                      "queued": self.buffer.held_for_others(sender)}  # fmt: skip
             self.socket.send(sender, encode("welcome", header))
             return 0
         if message.kind != "episodes":
@@ -304,13 +306,20 @@ class GroupReceiver:
                 )
 
     def acknowledge_trained(self, groups: list[BufferedGroup]) -> None:
-        """Journal and acknowledge ``groups`` as ``trained``, per sampler."""
+        """Journal and acknowledge ``groups`` as ``trained``, per sampler; every other sampler
+        heard from gets an empty acknowledgement: the learner's version and queue."""
         by_sampler: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
         for g in groups:
             by_sampler[g.sampler_id].append((g.seq, "trained", len(g.batch)))
         for sampler_id, acks in by_sampler.items():
             self._ack(sampler_id, acks)
         self.counters["trained_groups"] += len(groups)
+        for sampler_id in sorted(self.samplers - set(by_sampler)):
+            frames = ack_message(
+                self.incarnation, self.version, [], self.buffer.held_for_others(sampler_id)
+            )
+            if not self.socket.send(sampler_id, frames):
+                self.samplers.discard(sampler_id)  # gone: heard of again at its next hello
 
     def stop_samplers(self) -> None:
         """Tell every sampler heard from to stop, then close the socket."""

@@ -153,6 +153,7 @@ class Sampler:
         self.tracker = Tracker(self.outbox.dir, ["jsonl"], {}, self.sampler_id)
         self.incarnation: str | None = None
         self.learner_version = 0  # the learner's weight version, as last heard
+        self.others_queued = 0  # other samplers' groups the learner holds, as last heard
         self.last_heard = time.monotonic()
         self.stopped = False
         self.exit_code = 0
@@ -311,6 +312,9 @@ class Sampler:
         version = message.header.get("weight_version")
         if isinstance(version, int) and not isinstance(version, bool):
             self.learner_version = version
+        queued = message.header.get("queued")  # decode checked it: an int >= 0
+        if isinstance(queued, int) and not isinstance(queued, bool):
+            self.others_queued = queued
         if incarnation is not None and incarnation != self.incarnation:
             restarted = self.incarnation is not None
             self.incarnation = incarnation
@@ -339,12 +343,14 @@ class Sampler:
 
     def _fresh_enough(self) -> bool:
         """A batch sampled now can be trained: the learner's version as last heard, plus one
-        step per ``data.train_batch_size`` groups of this sampler still unacknowledged (the
-        learner trains the oldest first), exceeds the version held by at most
+        step per ``data.train_batch_size`` groups ahead of it (the learner trains in arrival
+        order: this sampler's unacknowledged groups and the other samplers' groups the
+        learner last said it holds, ``queued``), exceeds the version held by at most
         ``asynchronous.max_staleness``. Otherwise the learner would drop it as stale, so the
         sampler waits for newer weights instead (at ``max_staleness=0`` it samples each batch
         with the weights of the step that trains on it, as ``creditrl train`` does)."""
-        ahead = len(self.outbox.pending()) // self.cfg.data.train_batch_size
+        waiting = len(self.outbox.pending()) + self.others_queued
+        ahead = waiting // self.cfg.data.train_batch_size
         staleness = max(self.learner_version, self.version) + ahead - self.version
         return staleness <= self.cfg.asynchronous.max_staleness
 

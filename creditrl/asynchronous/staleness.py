@@ -62,6 +62,10 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def held_for_others(self, sampler_id: str) -> int:
+        """How many waiting groups come from samplers other than ``sampler_id``."""
+        return sum(1 for sender, _ in self._groups if sender != sampler_id)
+
     def holds(self, sampler_id: str, seq: int) -> bool:
         """True if group ``seq`` of ``sampler_id`` is waiting here."""
         return (sampler_id, seq) in self._groups
