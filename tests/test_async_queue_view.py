@@ -50,9 +50,9 @@ def test_the_buffer_counts_the_groups_of_other_samplers() -> None:
     assert [buffer.held_for_others(s) for s in ("a", "b", "c", "d")] == [2, 3, 3, 4]
 
 
-def _gate(pending: int, others_queued: int, max_staleness: int) -> bool:
-    cfg = SimpleNamespace(data=SimpleNamespace(train_batch_size=2),
-                          asynchronous=SimpleNamespace(max_staleness=max_staleness))  # fmt: skip
+def _gate(pending: int, others_queued: int, max_staleness: int, samplers: int = 1) -> bool:
+    a = SimpleNamespace(max_staleness=max_staleness, num_samplers=samplers)
+    cfg = SimpleNamespace(data=SimpleNamespace(train_batch_size=2), asynchronous=a)
     sampler = SimpleNamespace(
         cfg=cfg, outbox=SimpleNamespace(pending=lambda: list(range(pending))),
         others_queued=others_queued, learner_version=3, version=3,
@@ -69,6 +69,16 @@ def test_the_sampler_waits_for_groups_of_other_samplers_ahead_of_it() -> None:
     assert not _gate(pending=1, others_queued=1, max_staleness=0)
     assert _gate(pending=1, others_queued=2, max_staleness=1)
     assert not _gate(pending=2, others_queued=2, max_staleness=1)
+
+
+def test_before_the_learner_reports_a_sampler_counts_the_others_as_busy_as_itself() -> None:
+    """The learner reads messages only between steps: while it reports nothing queued, each of
+    the other samplers is taken to have as many groups in flight as this one."""
+    assert _gate(pending=1, others_queued=0, max_staleness=0, samplers=1)
+    assert not _gate(pending=1, others_queued=0, max_staleness=0, samplers=2)
+    assert _gate(pending=1, others_queued=0, max_staleness=1, samplers=3)
+    assert not _gate(pending=1, others_queued=0, max_staleness=1, samplers=4)
+    assert not _gate(pending=2, others_queued=0, max_staleness=1, samplers=2)
 
 
 def test_the_sampler_keeps_the_queue_it_last_heard() -> None:

@@ -343,13 +343,18 @@ class Sampler:
 
     def _fresh_enough(self) -> bool:
         """A batch sampled now can be trained: the learner's version as last heard, plus one
-        step per ``data.train_batch_size`` groups ahead of it (the learner trains in arrival
-        order: this sampler's unacknowledged groups and the other samplers' groups the
-        learner last said it holds, ``queued``), exceeds the version held by at most
-        ``asynchronous.max_staleness``. Otherwise the learner would drop it as stale, so the
-        sampler waits for newer weights instead (at ``max_staleness=0`` it samples each batch
-        with the weights of the step that trains on it, as ``creditrl train`` does)."""
-        waiting = len(self.outbox.pending()) + self.others_queued
+        step per ``data.train_batch_size`` groups ahead of it, exceeds the version held by at
+        most ``asynchronous.max_staleness``. Otherwise the learner would drop it as stale, so
+        the sampler waits for newer weights instead (at ``max_staleness=0`` it samples each
+        batch with the weights of the step that trains on it, as ``creditrl train`` does).
+
+        The learner trains in arrival order, so ahead of the batch are this sampler's
+        unacknowledged groups (u) and the other samplers' groups: those the learner last said
+        it holds (``queued``), or, while it has not received them yet (it reads messages only
+        between steps), as many as this sampler has in flight for each of the other
+        ``num_samplers - 1`` samplers: max(u + queued, u * num_samplers)."""
+        own = len(self.outbox.pending())
+        waiting = max(own + self.others_queued, own * self.cfg.asynchronous.num_samplers)
         ahead = waiting // self.cfg.data.train_batch_size
         staleness = max(self.learner_version, self.version) + ahead - self.version
         return staleness <= self.cfg.asynchronous.max_staleness
