@@ -126,15 +126,18 @@ class GroupReceiver:
             json_limits=self.json_limits,
         )
 
-    def _ack(self, sampler_id: str, acks: list[tuple[int, str, int]], journal: bool = True) -> None:
-        """Journal (durably), mark consumed, then tell the sampler."""
+    def _ack(self, sampler_id: str, acks: list[tuple[int, str, int]], journal: bool = True) -> bool:
+        """Journal (durably), mark consumed, then tell the sampler (with the learner's version
+        and queue); False when it could not be reached."""
         if journal:
             self.journal.record(self.step, sampler_id, acks)
             for seq, _, _ in acks:
                 self.ledger.add(sampler_id, seq)
         pairs = [(seq, status) for seq, status, _ in acks]
         queued = self.buffer.held_for_others(sampler_id)
-        self.socket.send(sampler_id, ack_message(self.incarnation, self.version, pairs, queued))
+        return self.socket.send(
+            sampler_id, ack_message(self.incarnation, self.version, pairs, queued)
+        )
 
     def _handle(self, sender: str, message: Message) -> int:
         """Act on one message that decoded; returns 1 for a group that passed every check."""
@@ -315,10 +318,7 @@ class GroupReceiver:
             self._ack(sampler_id, acks)
         self.counters["trained_groups"] += len(groups)
         for sampler_id in sorted(self.samplers - set(by_sampler)):
-            frames = ack_message(
-                self.incarnation, self.version, [], self.buffer.held_for_others(sampler_id)
-            )
-            if not self.socket.send(sampler_id, frames):
+            if not self._ack(sampler_id, [], journal=False):
                 self.samplers.discard(sampler_id)  # gone: heard of again at its next hello
 
     def stop_samplers(self) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "DOCUMENT_ATTENTION",
     "attends_by_document",
     "attention_configs",
+    "attention_implementation",
     "document_attention",
     "document_attention_kernel",
     "recompute_context",
@@ -120,27 +121,40 @@ def _sliding(config: PreTrainedConfig) -> bool:
     return getattr(config, "sliding_window", None) is not None
 
 
-def attends_by_document(model: torch.nn.Module) -> bool:
-    """True when every config of ``model`` runs sdpa and none has a sliding-window layer: the
-    packed forward can then use ``document_attention``; otherwise transformers' own packed
-    masks stay (eager, flex, flash-attention varlen, windows)."""
-    configs = attention_configs(model)
+@contextmanager
+def attention_implementation(configs: Sequence[PreTrainedConfig], name: str) -> Iterator[None]:
+    """While active, ``configs`` name ``name`` as their attention implementation (a kernel
+    registered in transformers' ``AttentionInterface``); their own names are restored on exit."""
+    before = [config._attn_implementation_internal for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation_internal = name
+        yield
+    finally:
+        for config, old in zip(configs, before, strict=True):
+            config._attn_implementation_internal = old
+
+
+def _qualifies(configs: Sequence[PreTrainedConfig]) -> bool:
     return bool(configs) and all(
         config._attn_implementation == "sdpa" and not _sliding(config) for config in configs
     )
 
 
+def attends_by_document(model: torch.nn.Module) -> bool:
+    """True when every config of ``model`` runs sdpa and none has a sliding-window layer: the
+    packed forward can then use ``document_attention``; otherwise transformers' own packed
+    masks stay (eager, flex, flash-attention varlen, windows)."""
+    return _qualifies(attention_configs(model))
+
+
 @contextmanager
 def _entered(documents: _Documents) -> Iterator[None]:
-    before = [config._attn_implementation_internal for config in documents.configs]
     token = _active.set(documents)
     try:
-        for config in documents.configs:
-            config._attn_implementation_internal = DOCUMENT_ATTENTION
-        yield
+        with attention_implementation(documents.configs, DOCUMENT_ATTENTION):
+            yield
     finally:
-        for config, name in zip(documents.configs, before, strict=True):
-            config._attn_implementation_internal = name
         _active.reset(token)
 
 
@@ -150,9 +164,10 @@ def document_attention(
     """While active, ``model``'s attention runs ``document_attention_kernel`` over documents
     of ``lengths`` tokens (their sum is the packed row's length); a no-op context when
     ``attends_by_document(model)`` is False."""
-    if not attends_by_document(model):
+    configs = tuple(attention_configs(model))
+    if not _qualifies(configs):
         return nullcontext()
-    return _entered(_Documents(tuple(int(n) for n in lengths), tuple(attention_configs(model))))
+    return _entered(_Documents(tuple(int(n) for n in lengths), configs))
 
 
 def recompute_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:

@@ -29,7 +29,7 @@ from contextvars import ContextVar
 import torch
 from transformers import AttentionInterface
 
-from creditrl.models.document_attention import attention_configs
+from creditrl.models.document_attention import attention_configs, attention_implementation
 
 __all__ = ["DECODE_ATTENTION", "decode_attention", "static_decode_attention"]
 
@@ -79,14 +79,9 @@ AttentionInterface.register(DECODE_ATTENTION, static_decode_attention)
 def decode_attention(model: torch.nn.Module, kv_width: int | None) -> Iterator[None]:
     """While active, ``model``'s attention runs ``static_decode_attention`` reading the first
     ``kv_width`` cache columns (None: all)."""
-    configs = attention_configs(model)
-    before = [config._attn_implementation_internal for config in configs]
     token = _kv_width.set(kv_width)
     try:
-        for config in configs:
-            config._attn_implementation_internal = DECODE_ATTENTION
-        yield
+        with attention_implementation(attention_configs(model), DECODE_ATTENTION):
+            yield
     finally:
-        for config, name in zip(configs, before, strict=True):
-            config._attn_implementation_internal = name
         _kv_width.reset(token)

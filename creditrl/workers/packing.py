@@ -52,7 +52,7 @@ class PackedSequences:
     logit_positions: torch.Tensor  # (M,) packed positions whose output predicts a response token
     labels: torch.Tensor  # (M,) those response tokens, row by row
     response_valid: torch.Tensor  # (B, T) bool, True on the M real response columns
-    lengths: tuple[int, ...] = ()  # p_i + r_i for each row in turn (the documents)
+    lengths: tuple[int, ...]  # p_i + r_i for each row in turn (the documents)
 
 
 def _first_bad_row(bad: torch.Tensor) -> int:
