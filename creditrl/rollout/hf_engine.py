@@ -61,6 +61,7 @@ from creditrl.rollout.llama_decode import LlamaDecoder
 from creditrl.rollout.sampler_copy import SamplerCopy
 from creditrl.rollout.sampling import (
     SamplingParams,
+    check_sampling_config,
     counter_uniforms,
     eos_token_ids_of,
     sample_next_tokens,
@@ -170,14 +171,9 @@ class HFRolloutEngine(RolloutEngine):
         small_batch_rows: int | None = None,
         decode_cache: str | None = None,
     ) -> None:
-        if cfg.max_response_length < 1:
-            raise ValueError(
-                f"rollout.max_response_length must be >= 1, got {cfg.max_response_length}"
-            )
+        check_sampling_config(cfg)
         if cfg.micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
-        if not 0.0 < cfg.top_p <= 1.0:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.top_p}")
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -222,12 +218,6 @@ class HFRolloutEngine(RolloutEngine):
         state = dict(named_tensors)
         self.model.load_state_dict(state)
         return len(state)
-
-    def sampling_params(
-        self, *, greedy: bool = False, temperature: float | None = None
-    ) -> SamplingParams:
-        """See ``sampling_params_of``."""
-        return sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
 
     def generate(
         self,
@@ -309,7 +299,7 @@ class HFRolloutEngine(RolloutEngine):
         keys: list[Hashable | None] | None = None,
         turn_cache: TurnKVCache | None = None,
     ) -> Batch:
-        params = self.sampling_params(greedy=greedy, temperature=temperature)
+        params = sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
         device = self.model.device
         if device.type != "cpu":  # sampled where the model is; answered on the CPU
             prompts = prompts.to(device)

@@ -19,8 +19,9 @@ its size n = |K| (``kept_counts``) rebuilds it from the same logits: K = the n l
 ``argmax z`` and records ``log_softmax(z)[argmax]``: the log-prob under the unscaled, unfiltered
 model distribution (kept count 0: the whole vocabulary).
 
-``SamplingParams`` (built by ``sampling_params_of`` from the rollout config) and
-``eos_token_ids_of`` are the settings both engines (``hf``, ``vllm``) sample with.
+``SamplingParams`` (built by ``sampling_params_of`` from the rollout config, checked by
+``check_sampling_config``) and ``eos_token_ids_of`` are the settings both engines (``hf``,
+``vllm``) sample with.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SamplingParams",
     "advance_seed",
+    "check_sampling_config",
     "counter_uniforms",
     "eos_token_ids_of",
     "filter_logits",
@@ -219,6 +221,15 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Sampling cuts the vocabulary (top-k, top-p or min-p on, not greedy)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def check_sampling_config(cfg: RolloutConfig) -> None:
+    """ValueError unless ``cfg`` allows a response (``max_response_length >= 1``) and has
+    ``top_p`` in (0, 1]: what both engines check when they are built."""
+    if cfg.max_response_length < 1:
+        raise ValueError(f"rollout.max_response_length must be >= 1, got {cfg.max_response_length}")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.top_p}")
 
 
 def sampling_params_of(

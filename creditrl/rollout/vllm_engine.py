@@ -72,7 +72,7 @@ from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import ConfigError
 from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
-from creditrl.rollout.sampling import SamplingParams, eos_token_ids_of, sampling_params_of
+from creditrl.rollout.sampling import check_sampling_config, eos_token_ids_of, sampling_params_of
 from creditrl.rollout.vllm_requests import (
     LOGPROBS_MODE,
     MAX_TEMPERATURE,
@@ -321,12 +321,7 @@ class VLLMRolloutEngine(RolloutEngine):
         llm: Any = None,
         sampling_params_cls: Callable[..., Any] | None = None,
     ) -> None:
-        if cfg.max_response_length < 1:
-            raise ValueError(
-                f"rollout.max_response_length must be >= 1, got {cfg.max_response_length}"
-            )
-        if not 0.0 < cfg.top_p <= 1.0:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.top_p}")
+        check_sampling_config(cfg)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"rollout.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -416,12 +411,6 @@ class VLLMRolloutEngine(RolloutEngine):
             llm_kwargs=launcher if args.world_size > 1 else None,
         )
 
-    def sampling_params(
-        self, *, greedy: bool = False, temperature: float | None = None
-    ) -> SamplingParams:
-        """See ``creditrl.rollout.sampling.sampling_params_of``."""
-        return sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
-
     def generate(
         self,
         prompts: Batch,
@@ -454,7 +443,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise KeyError(
                     f"prompt batch has no tensor field {name!r} (fields: {prompts.keys()})"
                 )
-        params = self.sampling_params(greedy=greedy, temperature=temperature)
+        params = sampling_params_of(self.cfg, greedy=greedy, temperature=temperature)
         token_lists = prompt_token_lists(
             prompts["input_ids"], prompts["attention_mask"], prompts.get("position_ids")
         )
