@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import creditrl.catalog  # noqa: F401  (every registry and config check, by kind)
 from creditrl.version import __version__
 
 if TYPE_CHECKING:

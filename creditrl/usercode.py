@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from creditrl.errors import ConfigError, UserCodeError
+from creditrl.registry import registry
 
 __all__ = [
     "is_code_spec",
@@ -153,8 +154,7 @@ def resolve_adv_estimator(spec: str) -> str:
     ``name`` with ``creditrl.core.register_adv_est``; returns ``name``. Idempotent and cheap
     after the first call in a process, so each process may resolve the spec itself.
     """
-    from creditrl.core import ADV_ESTIMATORS
-
+    ADV_ESTIMATORS = registry("advantage estimator")
     what = "algorithm.adv_estimator"
     if ":" not in spec:
         if spec not in ADV_ESTIMATORS:

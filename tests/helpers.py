@@ -5,6 +5,7 @@ imports from another test file."""
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -435,3 +436,10 @@ def make_batch(
             "raw_prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(len(ids))],
         },
     )
+
+
+def restore_registries(monkeypatch: Any, *registries: Any) -> None:
+    """Each registry (``creditrl.registry.Registry``) as it was before the test, afterwards."""
+    for registry in registries:
+        for attr in ("_paths", "_loaded", "_info", "_first"):
+            monkeypatch.setattr(registry, attr, dict(getattr(registry, attr)))

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import restore_registries
 
 from creditrl.core import ADV_ESTIMATORS, compute_advantage, compute_gae_advantage_return
 from creditrl.core.reference import gae_reverse_loop, suffix_sum_reverse_loop
@@ -223,7 +224,7 @@ def test_estimators_are_called_by_keyword_in_any_parameter_order(monkeypatch) ->
     position, or an unexpected keyword raised TypeError); it equals the built-in gae."""
     from creditrl.core import register_adv_est
 
-    monkeypatch.setattr(ADV_ESTIMATORS, "_items", dict(ADV_ESTIMATORS._items))
+    restore_registries(monkeypatch, ADV_ESTIMATORS)
 
     @register_adv_est("verl_order_gae_test", requires=("values",), options=("gamma", "lam"))
     def verl_gae(token_level_rewards, values, response_mask, gamma, lam):

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TinyCritic, padded_actor_batch, padded_batch, refused, tiny_lm
+from helpers import (
+    TinyCritic,
+    padded_actor_batch,
+    padded_batch,
+    refused,
+    restore_registries,
+    tiny_lm,
+)
 
 from creditrl.cli import describe_sizes, main
 from creditrl.config import ActorConfig, Config, CriticConfig, DataConfig, OptimConfig
@@ -82,7 +89,8 @@ def test_choices_come_from_the_registries(monkeypatch) -> None:
     (path/to/file.py:name) are accepted; removed 'full' KL is not."""
     from creditrl.core import POLICY_LOSSES
 
-    monkeypatch.setitem(POLICY_LOSSES._items, "my_loss", POLICY_LOSSES.get("ppo"))
+    restore_registries(monkeypatch, POLICY_LOSSES)
+    POLICY_LOSSES.register("my_loss")(POLICY_LOSSES.get("ppo"))
     assert load_config(overrides=["actor.policy_loss=my_loss"]).actor.policy_loss == "my_loss"
     cfg = load_config(overrides=["actor.kl_loss_type=k3+", "algorithm.kl_penalty=low_var_kl+"])
     assert (cfg.actor.kl_loss_type, cfg.algorithm.kl_penalty) == ("k3+", "low_var_kl+")
@@ -176,7 +184,7 @@ def _bad_values() -> list[tuple[str, str]]:
     out = []
     for key, f, default in schema_fields():
         allowed = f.metadata.get("range")
-        if "choices" in f.metadata or "choices_from" in f.metadata:
+        if "choices" in f.metadata or "registry" in f.metadata:
             out.append((key, "[not-a-choice]" if isinstance(default, list) else "not-a-choice"))
         elif allowed is not None:
             if allowed.low is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, tiny_trainer_config
+from helpers import read_metrics, restore_registries, tiny_trainer_config
 
 from creditrl.agents.scripted import ScriptedTurnGenerator
 from creditrl.config.loader import load_config
@@ -24,11 +24,11 @@ from creditrl.core import (
 )
 from creditrl.models import load_tokenizer
 from creditrl.models.tiny import tiny_model_dir
-from creditrl.pipeline import Plan
 from creditrl.rewards import SCORERS, register_scorer
 from creditrl.rewards.text import decode_responses
 from creditrl.rollout import ROLLOUT_ENGINES, HFRolloutEngine, register_rollout_engine
 from creditrl.trainers.rl_trainer import RLTrainer
+from creditrl.workers.plan import Plan
 
 ONE_STEP = ("trainer.total_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0")
 
@@ -37,8 +37,7 @@ ONE_STEP = ("trainer.total_steps=1", "trainer.val_before_train=false", "trainer.
 def registries(monkeypatch: pytest.MonkeyPatch):
     """Every registry as it was before the test, afterwards."""
     for registry in (ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES):
-        monkeypatch.setattr(registry, "_items", dict(registry._items))
-        monkeypatch.setattr(registry, "_info", dict(registry._info))
+        restore_registries(monkeypatch, registry)
     saved = dict(SCORERS)
     yield
     SCORERS.clear()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import restore_registries
 
 from creditrl.batch import Batch
 from creditrl.config.schema import Config, DataConfig, RewardConfig
@@ -379,7 +380,7 @@ def outcome_sum(token_level_rewards, response_mask, index=None, **_):
 def estimators(monkeypatch: pytest.MonkeyPatch):
     """ADV_ESTIMATORS restored after the test (a registered toy estimator would otherwise
     join the property tests that run every estimator)."""
-    monkeypatch.setattr(ADV_ESTIMATORS, "_items", dict(ADV_ESTIMATORS._items))
+    restore_registries(monkeypatch, ADV_ESTIMATORS)
 
 
 def test_user_estimator_from_file_end_to_end(tmp_path: Path, estimators) -> None:

@@ -33,17 +33,19 @@ READERS = {"rollout/strategies.py", "agents/program.py", "config/run_config.py"}
 
 
 def test_the_registry_lists_the_strategies_and_what_each_declares() -> None:
-    built_in = ["single_turn", "agent_loop", "agent_program", "verifiers"]
-    assert list(ROLLOUT_STRATEGIES)[:4] == built_in  # (then the ones tests register)
+    built_in = ["openenv", "verifiers", "agent_program", "agent_loop", "single_turn"]
+    assert list(ROLLOUT_STRATEGIES)[:5] == built_in  # in the order chosen (then tests' ones)
     traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in built_in}
+    program = {"multi_turn": True, "runs_program": True}
     assert traits == {
+        "openenv": StrategyTraits(**program, selected_by="env.openenv"),
+        "verifiers": StrategyTraits(**program, selected_by="env.verifiers"),
+        "agent_program": StrategyTraits(**program, selected_by="agent.program"),
+        "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True, selected_by="agent.enable"),
         "single_turn": StrategyTraits(),
-        "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True),
-        "agent_program": StrategyTraits(
-            multi_turn=True, runs_program=True, needs=("agent.program",)
-        ),
-        "verifiers": StrategyTraits(multi_turn=True, runs_program=True, needs=("env.verifiers",)),
     }
+    assert traits["agent_program"].needed() == ("agent.program",)
+    assert traits["agent_loop"].needed() == ()
 
 
 @pytest.mark.parametrize(

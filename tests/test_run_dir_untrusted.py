@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny_trainer_config
+from helpers import restore_registries, tiny_trainer_config
 
 from creditrl.batch import Batch
 from creditrl.cli import main
@@ -49,8 +49,7 @@ register_policy_loss("ppo_from_the_run")(compute_policy_loss_ppo)
 @pytest.fixture(autouse=True)
 def policy_losses(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss registry as it was before the test, afterwards."""
-    monkeypatch.setattr(POLICY_LOSSES, "_items", dict(POLICY_LOSSES._items))
-    monkeypatch.setattr(POLICY_LOSSES, "_info", dict(POLICY_LOSSES._info))
+    restore_registries(monkeypatch, POLICY_LOSSES)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ __all__ = [
     "check_batch",
 ]
 
-_LAZY = {
+_HOMES = {
     "AgentLoop": "creditrl.agents.loop",
     "Trajectory": "creditrl.agents.loop",
     "AgentRollout": "creditrl.agents.rollout",
@@ -42,6 +42,6 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

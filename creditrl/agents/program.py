@@ -74,7 +74,7 @@ from creditrl.rollout.continuation import (
 )
 from creditrl.usercode import load_user_object
 
-__all__ = ["LENGTH_CODES", "ProgramRollout", "load_program"]
+__all__ = ["LENGTH_CODES", "ProgramRollout", "load_program", "program_rollout"]
 
 LENGTH_CODES = ("budget_exhausted", "context_too_long")  # a later request that cannot fit
 _TRUNCATED = object()  # an episode the spent budget ended (its program let the 400 raise)
@@ -622,3 +622,8 @@ def _with_prompts(prompts: Batch, prompt_ids: list[list[int]], pad: int) -> Batc
     }
     tensors.update(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
     return Batch(tensors, {k: list(v) for k, v in prompts.non_tensors.items()}, dict(prompts.meta))
+
+
+def program_rollout(engine: Any, tokenizer: Any, cfg: Config) -> ProgramRollout:
+    """The ``agent_program`` rollout strategy: ``agent.program`` through the endpoint."""
+    return ProgramRollout.for_run(engine, tokenizer, cfg)

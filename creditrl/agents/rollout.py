@@ -36,7 +36,7 @@ import torch
 from creditrl.agents.drift import DRIFT_FIELD
 from creditrl.agents.loop import STOP_REASONS, AgentLoop, Trajectory
 from creditrl.batch import Batch, assemble_rollout_batch
-from creditrl.config.schema import AgentConfig, RolloutConfig
+from creditrl.config.schema import AgentConfig, Config, RolloutConfig
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnGenerator
 from creditrl.tools import TOOL_STATUSES, ToolRegistry, build_registry
 
@@ -48,6 +48,7 @@ __all__ = [
     "OK_EPISODES",
     "AgentRollout",
     "EngineRollout",
+    "agent_loop_rollout",
     "agent_metrics",
     "failed_episodes",
     "trajectories_to_batch",
@@ -289,3 +290,8 @@ class AgentRollout(EngineRollout):
         self.last_trajectories = trajectories
         self.last_stats = self.turn_stats()
         return batch
+
+
+def agent_loop_rollout(engine: Any, tokenizer: Any, cfg: Config) -> AgentRollout:
+    """The ``agent_loop`` rollout strategy: the built-in loop around ``engine``."""
+    return AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout)

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from creditrl.agents.registries import AGENT_TASKS, register_agent_task
 from creditrl.config.schema import Config
-from creditrl.core.registry import Registry
 from creditrl.data import PromptDataset, PromptRow, build_task_rows
 from creditrl.tools import ToolRegistry, build_registry
 
@@ -51,14 +51,6 @@ __all__ = [
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 KGQA_QUESTIONS = DATA_DIR / "kgqa.jsonl"
-AGENT_TASKS: Registry = Registry("agent task")
-"""``data.task`` names built here: ``fn(cfg, tools) -> (train rows, val rows)``."""
-
-
-def register_agent_task(name: str) -> Any:
-    """Decorator: ``fn(cfg: Config, tools: ToolRegistry) -> (train, val)`` lists of
-    ``PromptRow`` builds ``data.task=name`` (with the tools the rows' system prompt lists)."""
-    return AGENT_TASKS.register(name)
 
 
 def tool_system_prompt(registry: ToolRegistry, task_hint: str = "") -> str:
@@ -193,7 +185,6 @@ def build_agent_datasets(
     return dataset(train, "train"), dataset(val, "val") if val else None
 
 
-@register_agent_task("calc_multiturn")
 def _calc_task(cfg: Config, tools: ToolRegistry) -> tuple[list[PromptRow], list[PromptRow]]:
     data = cfg.data
     hint = "Use the calculator for the arithmetic."
@@ -201,7 +192,6 @@ def _calc_task(cfg: Config, tools: ToolRegistry) -> tuple[list[PromptRow], list[
     return calc_rows(dict(data.task_kwargs), data.train_size, data.val_size, data.seed, system)
 
 
-@register_agent_task("kgqa")
 def _kgqa_task(cfg: Config, tools: ToolRegistry) -> tuple[list[PromptRow], list[PromptRow]]:
     data = cfg.data
     hint = "Look facts up in the knowledge graph; answer with the entity name only."

@@ -3,15 +3,15 @@ is), registered with ``creditrl.config.checks``."""
 
 from __future__ import annotations
 
-from creditrl.asynchronous.transport import is_loopback
 from creditrl.config.checks import register_config_check
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
+from creditrl.hosts import is_loopback
 
 __all__: list[str] = []
 
 
-@register_config_check("endpoint_host", order=10)
+@register_config_check("endpoint_host")
 def _check_endpoint_host(cfg: Config) -> None:
     """agent.endpoint_host is a loopback address unless agent.endpoint_allow_remote=true (the
     endpoint speaks plain HTTP; '' and 0.0.0.0 would serve every interface)."""

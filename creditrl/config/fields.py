@@ -1,15 +1,18 @@
 """What a config key accepts, kept on its dataclass field in ``schema.py``:
 ``field(default=4, metadata=meta(range=AT_LEAST_1))`` or ``meta(choices=(...))``, or for a
-registry ``meta(choices_from="creditrl.core:POLICY_LOSSES")``, resolved when asked so the schema
-imports no torch. ``validate`` checks these and ``doc`` prints them.
+registry ``meta(registry="policy loss")``: the registry of that kind in the ground-floor
+``creditrl.registry`` (``creditrl.catalog`` makes them all, declared by dotted path, so reading
+their names imports no torch, and the config layer names no module above it). ``validate``
+checks these and ``doc`` prints them.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from creditrl.registry import registry
 
 __all__ = [
     "AT_LEAST_0",
@@ -30,7 +33,6 @@ __all__ = [
     "choices_of",
     "choices_text",
     "format_value",
-    "kl_choices",
     "meta",
     "value_at",
 ]
@@ -105,21 +107,25 @@ def meta(
     *,
     range: Range | None = None,
     choices: tuple[str, ...] | None = None,
-    choices_from: str | None = None,
+    registry: str | None = None,
+    straight_through: bool = False,
     user_code: bool = False,
     options_for: str | None = None,
 ) -> dict[str, Any]:
-    """Field metadata: the allowed ``range``, or ``choices``, or ``choices_from`` (a
-    ``"module:NAME"`` registry, collection or function of the names); ``user_code``: a
+    """Field metadata: the allowed ``range``, or ``choices``, or the names of the
+    ``registry`` of that kind (``straight_through``: each also with a trailing '+', a KL
+    estimator's straight-through form); ``user_code``: a
     ``file.py:name`` spec is accepted too; ``options_for``: this mapping holds the ``Option``s
     declared by the entry that key selects (``creditrl.config.options``)."""
     given = {
         "range": range,
         "choices": choices,
-        "choices_from": choices_from,
+        "registry": registry,
         "options_for": options_for,
     }
     out: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    if straight_through:
+        out["straight_through"] = True
     return {**out, "user_code": True} if user_code else out
 
 
@@ -127,14 +133,11 @@ def choices_of(metadata: Mapping[str, Any]) -> tuple[str, ...] | None:
     """The names a field accepts now (a registry's as registered so far); None: any."""
     if "choices" in metadata:
         return tuple(metadata["choices"])
-    spec = metadata.get("choices_from")
-    if spec is None:
+    kind = metadata.get("registry")
+    if kind is None:
         return None
-    module, _, name = spec.partition(":")
-    source = getattr(importlib.import_module(module), name)
-    if hasattr(source, "names"):
-        return tuple(source.names())
-    return tuple(source() if callable(source) else source)
+    names = tuple(registry(kind).names())
+    return names + tuple(f"{n}+" for n in names) if metadata.get("straight_through") else names
 
 
 def choices_text(metadata: Mapping[str, Any], choices: tuple[str, ...]) -> str:
@@ -145,9 +148,3 @@ def choices_text(metadata: Mapping[str, Any], choices: tuple[str, ...]) -> str:
     if bases and len(bases) * 2 == len(choices):
         text = ", ".join(bases) + " (each also with a trailing '+')"
     return f"{text}, or user code as {USER_CODE}" if metadata.get("user_code") else text
-
-
-def kl_choices() -> tuple[str, ...]:
-    """KL estimator names, each also with a trailing '+' (straight-through)."""
-    names = choices_of({"choices_from": "creditrl.core:KL_ESTIMATORS"}) or ()
-    return names + tuple(f"{name}+" for name in names)

@@ -13,7 +13,6 @@ declared. ``creditrl config --doc`` lists the options of every registered entry.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 from creditrl.config.fields import Range, format_value, value_at
 from creditrl.errors import ConfigError
+from creditrl.registry import registry
 
 __all__ = ["DeclaredKey", "Option", "declared_keys", "resolve_options"]
 
@@ -80,12 +80,11 @@ def _shown(value: Any) -> str:
 
 
 def _registry(selector_meta: Mapping[str, Any]) -> Any:
-    module, _, name = selector_meta["choices_from"].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return registry(selector_meta["registry"])
 
 
-def _declared(registry: Any, name: str) -> tuple[Option, ...]:
-    return tuple(o for o in registry.info(name).get("options", ()) if isinstance(o, Option))
+def _declared(entries: Any, name: str) -> tuple[Option, ...]:
+    return tuple(o for o in entries.info(name).get("options", ()) if isinstance(o, Option))
 
 
 @dataclass(frozen=True)
@@ -116,14 +115,11 @@ def _selector_meta(root: Any, selector: str) -> Mapping[str, Any]:
 def declared_keys(root: Any, key: str, selector: str) -> list[DeclaredKey]:
     """The options under ``key`` (a ``*_kwargs`` mapping of ``root``) that every entry
     registered for ``selector`` declares, in registration order."""
-    registry = _registry(_selector_meta(root, selector))
-    first_names: dict[int, str] = {}  # an entry with aliases is listed under its first name
-    for name in registry:
-        first_names.setdefault(id(registry.get(name)), name)
+    entries = _registry(_selector_meta(root, selector))
     return [
         DeclaredKey(f"{key}.{option.name}", f"{selector}={name}", option)
-        for name in first_names.values()
-        for option in _declared(registry, name)
+        for name in entries.first_names()
+        for option in _declared(entries, name)
     ]
 
 
@@ -132,11 +128,11 @@ def resolve_options(cfg: Any) -> None:
     declares and fill in their defaults (in place); one-line ConfigError on an undeclared
     name or a bad value. An entry not registered is left alone (its name is refused first)."""
     for key, selector, section in _kwargs_fields(cfg):
-        registry = _registry(_selector_meta(cfg, selector))
+        entries = _registry(_selector_meta(cfg, selector))
         name = value_at(cfg, selector)
-        if name not in registry:
+        if name not in entries:
             continue
-        declared = {option.name: option for option in _declared(registry, name)}
+        declared = {option.name: option for option in _declared(entries, name)}
         given = getattr(section, key.rsplit(".", 1)[-1])
         for option_name in given:
             if option_name not in declared:

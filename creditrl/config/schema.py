@@ -27,7 +27,12 @@ from creditrl.config.fields import (
     meta,
 )
 
-KL_CHOICES = "creditrl.config.fields:kl_choices"
+REWARD_DISTRIBUTIONS = ("turn_proportional", "final_token_only")
+"""How a structured turn score is spread over the turn's tokens (``structured_to_token_level``)."""
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+"""The levels of a rollout importance weight (``compute_rollout_importance_weights``)."""
+ROLLOUT_IS_MODES = ("truncate", "mask")
+"""What happens to a rollout importance weight above its threshold."""
 TEMPERATURE_NOTE = "training samples; rollout.val_temperature=0 is greedy validation"
 
 
@@ -101,9 +106,7 @@ class RolloutConfig:
     with ``engine=vllm`` only (GPU, ``pip install 'creditrl[vllm]'``;
     ``creditrl.rollout.vllm_engine``)."""
 
-    engine: str = field(
-        default="hf", metadata=meta(choices_from="creditrl.rollout:ROLLOUT_ENGINES")
-    )
+    engine: str = field(default="hf", metadata=meta(registry="rollout engine"))
     """A name in creditrl.rollout.ROLLOUT_ENGINES: 'hf' (transformers), 'vllm' (GPU extra)."""
     engine_kwargs: dict[str, Any] = field(
         default_factory=dict, metadata=meta(options_for="rollout.engine")
@@ -218,9 +221,7 @@ class ActorConfig:
     """Shuffle the batch before each epoch's split into mini-batches."""
     grad_clip: float | None = field(default=1.0, metadata=meta(range=GRAD_CLIP))
     """Maximum global gradient norm; null: no clipping."""
-    policy_loss: str = field(
-        default="ppo", metadata=meta(choices_from="creditrl.core:POLICY_LOSSES")
-    )
+    policy_loss: str = field(default="ppo", metadata=meta(registry="policy loss"))
     """Policy-gradient loss: a name registered in creditrl.core.POLICY_LOSSES."""
     policy_loss_kwargs: dict[str, Any] = field(
         default_factory=dict, metadata=meta(options_for="actor.policy_loss")
@@ -238,15 +239,15 @@ class ActorConfig:
     """sapo: soft-gate temperature for positive advantages."""
     tau_neg: float = field(default=1.05, metadata=meta(range=POSITIVE))
     """sapo: soft-gate temperature for advantages <= 0."""
-    loss_agg_mode: str = field(
-        default="token-mean", metadata=meta(choices_from="creditrl.core:LOSS_AGG_MODES")
-    )
+    loss_agg_mode: str = field(default="token-mean", metadata=meta(registry="loss_agg_mode"))
     """How per-token losses become one number (docs/naming.md, Loss aggregation)."""
     loss_scale_factor: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
     """seq-mean-token-sum-norm's divisor C per sequence; null: the padded length."""
     use_kl_loss: bool = False
     """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO style)."""
-    kl_loss_type: str = field(default="low_var_kl", metadata=meta(choices_from=KL_CHOICES))
+    kl_loss_type: str = field(
+        default="low_var_kl", metadata=meta(registry="KL estimator", straight_through=True)
+    )
     """KL estimator of the loss term (k1, k2, k3 = low_var_kl, ...; '+': straight-through)."""
     kl_loss_coef: float = field(default=0.001, metadata=meta(range=COEFFICIENT))
     """Coefficient of the KL loss term."""
@@ -283,9 +284,7 @@ class CriticConfig:
     """Maximum global gradient norm of the critic; null: no clipping."""
     cliprange_value: float = field(default=0.5, metadata=meta(range=AT_LEAST_0))
     """Value clip: the clipped prediction stays within this of the old value."""
-    loss_agg_mode: str = field(
-        default="token-mean", metadata=meta(choices_from="creditrl.core:LOSS_AGG_MODES")
-    )
+    loss_agg_mode: str = field(default="token-mean", metadata=meta(registry="loss_agg_mode"))
     """How per-token value losses become one number (as actor.loss_agg_mode)."""
     use_dynamic_bsz: bool | None = None
     """Micro-batches by token budget (max_token_len_per_device), not count; null: on CUDA."""
@@ -299,7 +298,7 @@ class CriticConfig:
 class KLControlConfig:
     """beta of the KL in the reward: ``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
 
-    type: str = field(default="fixed", metadata=meta(choices_from="creditrl.core:KL_CONTROLLERS"))
+    type: str = field(default="fixed", metadata=meta(registry="kl_ctrl type"))
     """'fixed' beta, or 'adaptive': beta moves so the measured KL approaches target_kl."""
     kl_coef: float = field(default=0.001, metadata=meta(range=COEFFICIENT))
     """beta of the KL reward penalty (adaptive: its starting value)."""
@@ -315,13 +314,9 @@ class RolloutISConfig:
 
     enable: bool = False
     """Weight the policy loss by pi_train / pi_rollout (needs the rollout's log-probs)."""
-    level: str = field(
-        default="token", metadata=meta(choices_from="creditrl.core:ROLLOUT_IS_LEVELS")
-    )
+    level: str = field(default="token", metadata=meta(choices=ROLLOUT_IS_LEVELS))
     """Ratio per 'token', per 'sequence' (product) or 'geometric' (per-token mean in log)."""
-    mode: str = field(
-        default="truncate", metadata=meta(choices_from="creditrl.core:ROLLOUT_IS_MODES")
-    )
+    mode: str = field(default="truncate", metadata=meta(choices=ROLLOUT_IS_MODES))
     """'truncate' the weights at threshold (TIS) or 'mask' what lies outside the bounds."""
     threshold: float = field(default=2.0, metadata=meta(range=POSITIVE))
     """Upper bound U of the ratio (truncate: the clamp; mask: the rejection bound)."""
@@ -360,7 +355,7 @@ class AlgorithmConfig:
     """Advantage estimation and KL placement (verl's ``algorithm``)."""
 
     adv_estimator: str = field(
-        default="grpo", metadata=meta(choices_from="creditrl.core:ADV_ESTIMATORS", user_code=True)
+        default="grpo", metadata=meta(registry="advantage estimator", user_code=True)
     )
     """Advantage estimator: a name in creditrl.core.ADV_ESTIMATORS or user code."""
     gamma: float = field(default=1.0, metadata=meta(range=UNIT))
@@ -371,7 +366,9 @@ class AlgorithmConfig:
     """grpo: divide by the group's score std; false: only subtract the mean."""
     use_kl_in_reward: bool = False
     """Subtract beta x KL(actor || reference) from each token's reward."""
-    kl_penalty: str = field(default="kl", metadata=meta(choices_from=KL_CHOICES))
+    kl_penalty: str = field(
+        default="kl", metadata=meta(registry="KL estimator", straight_through=True)
+    )
     """KL estimator of the reward penalty (names as actor.kl_loss_type)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
@@ -566,7 +563,7 @@ class AgentConfig:
     reward_manager: str = field(default="structured", metadata=meta(choices=("structured", "rule")))
     """'structured' (spec 001 turn/global rewards) or 'rule' (the scorer pool)."""
     reward_distribution: str = field(
-        default="final_token_only", metadata=meta(choices_from="creditrl.core:REWARD_DISTRIBUTIONS")
+        default="final_token_only", metadata=meta(choices=REWARD_DISTRIBUTIONS)
     )
     """How turn and global rewards reach tokens (final_token_only, turn_proportional)."""
     drift_check_rows: int = field(default=4, metadata=meta(range=AT_LEAST_0))

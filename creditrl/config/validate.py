@@ -160,18 +160,15 @@ def check_batches(cfg: Config, section: str) -> None:
         )
 
 
-# The order of the registered checks: the first refusal a config meets. The checks of the
-# layers that own the registries sit between these (creditrl.asynchronous.checks at 10,
-# creditrl.core.checks at 30 and 40, creditrl.rollout.checks at 60 and 80,
-# creditrl.workers.placement at 90, creditrl.agents.checks at 300).
+# The order of every registered check is creditrl.config.checks.CHECK_ORDER.
 
 
-@register_config_check("actor_batches", order=20)
+@register_config_check("actor_batches")
 def _check_actor_batches(cfg: Config) -> None:
     check_batches(cfg, "actor")
 
 
-@register_config_check("groups_and_bounds", order=50)
+@register_config_check("groups_and_bounds")
 def _check_groups_and_bounds(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
     if alg.filter_groups.enable and n < 2:
@@ -198,7 +195,7 @@ def _check_groups_and_bounds(cfg: Config) -> None:
         )
 
 
-@register_config_check("validation_samples", order=70)
+@register_config_check("validation_samples")
 def _check_validation_samples(cfg: Config) -> None:
     if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature == 0:
         raise ConfigError(
@@ -208,13 +205,13 @@ def _check_validation_samples(cfg: Config) -> None:
         )
 
 
-@register_config_check("data", order=100)
+@register_config_check("data")
 def _check_data(cfg: Config) -> None:
     if not cfg.data.task and not cfg.data.train_files:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")
 
 
-@register_config_check("paths", order=200)
+@register_config_check("paths")
 def _check_paths(cfg: Config) -> None:
     model = cfg.model
     if model.path != "embedded" and not Path(model.path).is_dir():
@@ -266,113 +263,78 @@ BUILT_IN_LOOP_KEYS = tuple(
               "max_calls_per_turn", "tool_output_max_chars", "truncate_side", "reward_manager",
               "reward_distribution")
 )  # fmt: skip
-UNUSED_RULES: dict[str, tuple[float, UnusedRule]] = {
-    "kl_in_reward": (
-        50,
-        UnusedRule(
-            lambda c: not c.algorithm.use_kl_in_reward,
-            ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),
-            lambda c: "algorithm.use_kl_in_reward=false",
-        ),
+UNUSED_RULES: dict[str, UnusedRule] = {
+    "kl_in_reward": UnusedRule(
+        lambda c: not c.algorithm.use_kl_in_reward,
+        ("algorithm.kl_ctrl.", "algorithm.kl_penalty"),
+        lambda c: "algorithm.use_kl_in_reward=false",
     ),
-    "kl_loss": (
-        60,
-        UnusedRule(
-            lambda c: not c.actor.use_kl_loss,
-            ("actor.kl_loss_type", "actor.kl_loss_coef"),
-            lambda c: "actor.use_kl_loss=false",
-        ),
+    "kl_loss": UnusedRule(
+        lambda c: not c.actor.use_kl_loss,
+        ("actor.kl_loss_type", "actor.kl_loss_coef"),
+        lambda c: "actor.use_kl_loss=false",
     ),
     **{
-        section: (
-            order,
-            UnusedRule(
-                lambda c, s=section: not value_at(c, f"algorithm.{s}.enable"),
-                (f"algorithm.{section}.",),
-                lambda c, s=section: f"algorithm.{s}.enable=false",
-            ),
+        section: UnusedRule(
+            lambda c, s=section: not value_at(c, f"algorithm.{s}.enable"),
+            (f"algorithm.{section}.",),
+            lambda c, s=section: f"algorithm.{s}.enable=false",
         )
-        for order, section in ((70, "rollout_is"), (80, "filter_groups"), (90, "overlong_buffer"))
+        for section in ("rollout_is", "filter_groups", "overlong_buffer")
     },
-    "distill": (
-        100,
-        UnusedRule(
-            lambda c: c.distill.teacher is None,
-            ("distill.",),
-            lambda c: "distill.teacher is not set (no distillation)",
-        ),
+    "distill": UnusedRule(
+        lambda c: c.distill.teacher is None,
+        ("distill.",),
+        lambda c: "distill.teacher is not set (no distillation)",
     ),
-    "teacher_prompt": (
-        120,
-        UnusedRule(
-            lambda c: c.distill.teacher_prompt != "few_shot",
-            ("distill.teacher_few_shot",),
-            lambda c: f"distill.teacher_prompt={c.distill.teacher_prompt}",
-        ),
+    "teacher_prompt": UnusedRule(
+        lambda c: c.distill.teacher_prompt != "few_shot",
+        ("distill.teacher_few_shot",),
+        lambda c: f"distill.teacher_prompt={c.distill.teacher_prompt}",
     ),
-    "reward_model": (
-        130,
-        UnusedRule(
-            lambda c: not c.reward.reward_model.enable,
-            ("reward.reward_model.",),
-            lambda c: "reward.reward_model.enable=false",
-        ),
+    "reward_model": UnusedRule(
+        lambda c: not c.reward.reward_model.enable,
+        ("reward.reward_model.",),
+        lambda c: "reward.reward_model.enable=false",
     ),
-    "local_backend": (
-        150,
-        UnusedRule(
-            lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
-            ("trainer.ray.", "trainer.critic_placement"),
-            lambda c: "trainer.backend=local",
-        ),
+    "local_backend": UnusedRule(
+        lambda c: c.trainer.backend == "local" and c.asynchronous.launcher != "ray",
+        ("trainer.ray.", "trainer.critic_placement"),
+        lambda c: "trainer.backend=local",
     ),
-    "lora": (
-        160,
-        UnusedRule(
-            lambda c: c.model.lora_rank == 0,
-            ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
-            lambda c: "model.lora_rank=0 (no LoRA)",
-        ),
+    "lora": UnusedRule(
+        lambda c: c.model.lora_rank == 0,
+        ("model.lora_alpha", "model.target_modules", "asynchronous.lora_sync"),
+        lambda c: "model.lora_rank=0 (no LoRA)",
     ),
-    "async_reward": (
-        250,
-        UnusedRule(
-            lambda c: c.algorithm.filter_groups.enable,
-            ("reward.async_reward",),
-            lambda c: (
-                "algorithm.filter_groups.enable=true scores each generation batch before "
-                "choosing groups, so scoring cannot overlap the log-prob pass"
-            ),
+    "async_reward": UnusedRule(
+        lambda c: c.algorithm.filter_groups.enable,
+        ("reward.async_reward",),
+        lambda c: (
+            "algorithm.filter_groups.enable=true scores each generation batch before "
+            "choosing groups, so scoring cannot overlap the log-prob pass"
         ),
     ),
     **{
-        f"{section}_dynamic_bsz": (
-            order,
-            UnusedRule(
-                lambda c, s=section: value_at(c, f"{s}.use_dynamic_bsz") is False,
-                (f"{section}.max_token_len_per_device",),
-                lambda c, s=section: f"{s}.use_dynamic_bsz=false",
-            ),
+        f"{section}_dynamic_bsz": UnusedRule(
+            lambda c, s=section: value_at(c, f"{s}.use_dynamic_bsz") is False,
+            (f"{section}.max_token_len_per_device",),
+            lambda c, s=section: f"{s}.use_dynamic_bsz=false",
         )
-        for order, section in ((260, "actor"), (270, "critic"))
+        for section in ("actor", "critic")
     },
     **{
-        f"{section}_lr_scheduler": (
-            order,
-            UnusedRule(
-                lambda c, s=section: value_at(c, f"{s}.optim.lr_scheduler") == "constant",
-                (f"{section}.optim.min_lr_ratio",),
-                lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
-            ),
+        f"{section}_lr_scheduler": UnusedRule(
+            lambda c, s=section: value_at(c, f"{s}.optim.lr_scheduler") == "constant",
+            (f"{section}.optim.min_lr_ratio",),
+            lambda c, s=section: f"{s}.optim.lr_scheduler=constant",
         )
-        for order, section in ((280, "actor"), (290, "critic"))
+        for section in ("actor", "critic")
     },
 }
-"""The unused-settings rules config judges alone: {name: (order, rule)}, registered below."""
-for _name, (_order, _rule) in UNUSED_RULES.items():
-    register_unused_rule(
-        _name, order=_order, applies=_rule.applies, keys=_rule.keys, reason=_rule.reason
-    )
+"""The unused-settings rules config judges alone: {name: rule}, registered below."""
+for _name, _rule in UNUSED_RULES.items():
+    register_unused_rule(_name, applies=_rule.applies, keys=_rule.keys, reason=_rule.reason)
 
 
 def unused_settings(cfg: Config, explicit: Collection[str]) -> list[str]:

@@ -3,125 +3,80 @@
 Index convention (docs/architecture.md): column j of a response tensor is step t = j + 1;
 ``log_probs[:, j]`` = log pi(y_{j+1} | s_{j+1}) from ``logits[:, -T-1:-1]``; ``values[:, j]`` =
 V(s_{j+1}). Each quantity has one defining function here, its math in the docstring.
+
+Names are imported on first use (``from creditrl.core import masked_mean`` loads
+``creditrl.core.masked`` then), so the registries in ``creditrl.core.registries`` are read
+without importing torch.
 """
 
-from creditrl.core.advantages import (
-    ADV_ESTIMATORS,
-    compute_advantage,
-    compute_dr_grpo_outcome_advantage,
-    compute_gae_advantage_return,
-    compute_gpg_outcome_advantage,
-    compute_grpo_outcome_advantage,
-    compute_grpo_passk_outcome_advantage,
-    compute_opo_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage,
-    compute_reinforce_plus_plus_outcome_advantage,
-    compute_remax_outcome_advantage,
-    compute_rloo_outcome_advantage,
-    get_advantage_estimator,
-    register_adv_est,
-)
-from creditrl.core.aggregation import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    global_normalisers,
-    register_loss_agg,
-)
-from creditrl.core.distill import compute_policy_loss_distill, distill_term
-from creditrl.core.entropy import entropy_from_logits, log_probs_from_logits
-from creditrl.core.kl import (
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    get_kl_controller,
-    kl_penalty,
-    register_kl_controller,
-)
-from creditrl.core.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from creditrl.core.policy_losses import (
-    POLICY_LOSSES,
-    PolicyLossConfig,
-    compute_policy_loss_cispo,
-    compute_policy_loss_gpg,
-    compute_policy_loss_gspo,
-    compute_policy_loss_ppo,
-    compute_policy_loss_sapo,
-    get_policy_loss,
-    log_ratio,
-    register_policy_loss,
-)
-from creditrl.core.rewards import (
-    REWARD_DISTRIBUTIONS,
-    apply_kl_penalty,
-    last_valid_index,
-    place_sequence_scores,
-    structured_to_token_level,
-    total_score,
-)
-from creditrl.core.rollout_correction import (
-    ROLLOUT_IS_LEVELS,
-    ROLLOUT_IS_MODES,
-    compute_mismatch_metrics,
-    compute_rollout_corr_metrics,
-    compute_rollout_importance_weights,
-)
-from creditrl.core.value_loss import compute_value_loss
+from __future__ import annotations
 
-__all__ = [
-    "ADV_ESTIMATORS",
-    "KL_CONTROLLERS",
-    "KL_ESTIMATORS",
-    "LOSS_AGG_MODES",
-    "POLICY_LOSSES",
-    "REWARD_DISTRIBUTIONS",
-    "ROLLOUT_IS_LEVELS",
-    "ROLLOUT_IS_MODES",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "PolicyLossConfig",
-    "agg_loss",
-    "apply_kl_penalty",
-    "compute_advantage",
-    "compute_dr_grpo_outcome_advantage",
-    "compute_gae_advantage_return",
-    "compute_gpg_outcome_advantage",
-    "compute_grpo_outcome_advantage",
-    "compute_grpo_passk_outcome_advantage",
-    "compute_mismatch_metrics",
-    "compute_opo_outcome_advantage",
-    "compute_policy_loss_cispo",
-    "compute_policy_loss_distill",
-    "compute_policy_loss_gpg",
-    "compute_policy_loss_gspo",
-    "compute_policy_loss_ppo",
-    "compute_policy_loss_sapo",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage",
-    "compute_rloo_outcome_advantage",
-    "compute_rollout_corr_metrics",
-    "compute_rollout_importance_weights",
-    "compute_value_loss",
-    "distill_term",
-    "entropy_from_logits",
-    "get_advantage_estimator",
-    "get_kl_controller",
-    "get_policy_loss",
-    "global_normalisers",
-    "kl_penalty",
-    "last_valid_index",
-    "log_probs_from_logits",
-    "log_ratio",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "place_sequence_scores",
-    "register_adv_est",
-    "register_kl_controller",
-    "register_loss_agg",
-    "register_policy_loss",
-    "structured_to_token_level",
-    "total_score",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "ADV_ESTIMATORS": "creditrl.core.registries",
+    "AdaptiveKLController": "creditrl.core.kl",
+    "FixedKLController": "creditrl.core.kl",
+    "KL_CONTROLLERS": "creditrl.core.registries",
+    "KL_ESTIMATORS": "creditrl.core.registries",
+    "LOSS_AGG_MODES": "creditrl.core.registries",
+    "POLICY_LOSSES": "creditrl.core.registries",
+    "PolicyLossConfig": "creditrl.core.policy_losses",
+    "REWARD_DISTRIBUTIONS": "creditrl.core.registries",
+    "ROLLOUT_IS_LEVELS": "creditrl.core.registries",
+    "ROLLOUT_IS_MODES": "creditrl.core.registries",
+    "agg_loss": "creditrl.core.aggregation",
+    "apply_kl_penalty": "creditrl.core.rewards",
+    "compute_advantage": "creditrl.core.advantages",
+    "compute_dr_grpo_outcome_advantage": "creditrl.core.advantages",
+    "compute_gae_advantage_return": "creditrl.core.advantages",
+    "compute_gpg_outcome_advantage": "creditrl.core.advantages",
+    "compute_grpo_outcome_advantage": "creditrl.core.advantages",
+    "compute_grpo_passk_outcome_advantage": "creditrl.core.advantages",
+    "compute_mismatch_metrics": "creditrl.core.rollout_correction",
+    "compute_opo_outcome_advantage": "creditrl.core.advantages",
+    "compute_policy_loss_cispo": "creditrl.core.policy_losses",
+    "compute_policy_loss_distill": "creditrl.core.distill",
+    "compute_policy_loss_gpg": "creditrl.core.policy_losses",
+    "compute_policy_loss_gspo": "creditrl.core.policy_losses",
+    "compute_policy_loss_ppo": "creditrl.core.policy_losses",
+    "compute_policy_loss_sapo": "creditrl.core.policy_losses",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage": "creditrl.core.advantages",
+    "compute_reinforce_plus_plus_outcome_advantage": "creditrl.core.advantages",
+    "compute_remax_outcome_advantage": "creditrl.core.advantages",
+    "compute_rloo_outcome_advantage": "creditrl.core.advantages",
+    "compute_rollout_corr_metrics": "creditrl.core.rollout_correction",
+    "compute_rollout_importance_weights": "creditrl.core.rollout_correction",
+    "compute_value_loss": "creditrl.core.value_loss",
+    "distill_term": "creditrl.core.distill",
+    "entropy_from_logits": "creditrl.core.entropy",
+    "get_advantage_estimator": "creditrl.core.registries",
+    "get_kl_controller": "creditrl.core.kl",
+    "get_policy_loss": "creditrl.core.registries",
+    "global_normalisers": "creditrl.core.aggregation",
+    "kl_penalty": "creditrl.core.kl",
+    "last_valid_index": "creditrl.core.rewards",
+    "log_probs_from_logits": "creditrl.core.entropy",
+    "log_ratio": "creditrl.core.policy_losses",
+    "masked_mean": "creditrl.core.masked",
+    "masked_sum": "creditrl.core.masked",
+    "masked_var": "creditrl.core.masked",
+    "masked_whiten": "creditrl.core.masked",
+    "place_sequence_scores": "creditrl.core.rewards",
+    "register_adv_est": "creditrl.core.registries",
+    "register_kl_controller": "creditrl.core.registries",
+    "register_loss_agg": "creditrl.core.registries",
+    "register_policy_loss": "creditrl.core.registries",
+    "structured_to_token_level": "creditrl.core.rewards",
+    "total_score": "creditrl.core.rewards",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """``creditrl.core.NAME`` from the module that defines it, imported now."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'creditrl.core' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

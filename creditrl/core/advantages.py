@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from creditrl.core.masked import masked_whiten, row_blocks
-from creditrl.core.registry import Registry
+from creditrl.core.registries import (
+    ADV_ESTIMATORS,
+    get_advantage_estimator,
+    register_adv_est,
+)
 from creditrl.core.scan import compact, discounted_suffix_sum, is_right_padded, uncompact
 
 __all__ = [
@@ -35,43 +39,7 @@ __all__ = [
 ]
 
 AdvFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: Registry[AdvFn] = Registry("advantage estimator")
-
-
-def register_adv_est(
-    name: str,
-    *aliases: str,
-    requires: tuple[str, ...] = (),
-    grouped: bool = False,
-    options: tuple[str, ...] = (),
-) -> Callable[[AdvFn], AdvFn]:
-    """Decorator: register an advantage estimator under ``name`` (and ``aliases``).
-
-    It is called with keyword arguments only, as verl calls its estimators:
-    ``fn(token_level_rewards=, response_mask=, index=, **options)``, so parameters may come in
-    any order (verl's GAE takes ``values`` second); a function without ``**kwargs`` gets only
-    the names it takes. It returns ``(advantages, returns)``, each (B, T). It declares what the
-    trainer must build for it:
-
-    - ``requires``: catalogue fields it reads beyond rewards, mask and uid: ``values`` (a
-      critic is built and trained), ``reward_baselines`` (the greedy baseline rollout),
-      ``turn_scores`` / ``global_scores`` (a structured reward), ``token_level_scores``;
-    - ``grouped``: it compares the answers to one prompt (``rollout.n`` >= 2 and sampling
-      with a temperature are required);
-    - ``options``: the ``algorithm.*`` settings it reads (``gamma``, ``lam``,
-      ``norm_adv_by_std_in_grpo``); a key it does not read draws a warning when set.
-    """
-    return ADV_ESTIMATORS.register(
-        name, *aliases, requires=tuple(requires), grouped=grouped, options=tuple(options)
-    )
-
-
 Index = Sequence[Any] | np.ndarray | torch.Tensor
-
-
-def get_advantage_estimator(name: str) -> AdvFn:
-    """The estimator registered as ``name`` (e.g. ``gae``, ``grpo``, ``rloo``)."""
-    return ADV_ESTIMATORS.get(name)
 
 
 def compute_advantage(
@@ -176,7 +144,6 @@ def _gae_raw(
     return adv, returns
 
 
-@register_adv_est("gae", requires=("values",), options=("gamma", "lam"))
 def _gae(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -232,7 +199,6 @@ def _broadcast(adv: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> tor
     return adv.to(dtype).unsqueeze(-1) * mask.to(dtype)
 
 
-@register_adv_est("grpo", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -256,7 +222,6 @@ def compute_grpo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("grpo_multiturn", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_multiturn_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -310,7 +275,6 @@ def compute_grpo_multiturn_advantage(
     return out, out
 
 
-@register_adv_est("dr_grpo", grouped=True)
 def compute_dr_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -323,7 +287,6 @@ def compute_dr_grpo_outcome_advantage(
     return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, **options)
 
 
-@register_adv_est("rloo", grouped=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -341,7 +304,6 @@ def compute_rloo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("opo", grouped=True)
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -359,7 +321,6 @@ def compute_opo_outcome_advantage(
     return out, out
 
 
-@register_adv_est("gpg", grouped=True)
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -380,7 +341,6 @@ def compute_gpg_outcome_advantage(
     return out, out
 
 
-@register_adv_est("grpo_passk", grouped=True, options=("norm_adv_by_std_in_grpo",))
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -413,7 +373,6 @@ def compute_grpo_passk_outcome_advantage(
     return out, out
 
 
-@register_adv_est("reinforce_plus_plus", options=("gamma",))
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -429,7 +388,6 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline", grouped=True)
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -447,7 +405,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return out, out
 
 
-@register_adv_est("remax", requires=("reward_baselines",))
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

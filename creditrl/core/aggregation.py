@@ -14,29 +14,17 @@ from typing import Any
 
 import torch
 
-from creditrl.core.registry import Registry
+from creditrl.core.registries import LOSS_AGG_MODES, register_loss_agg
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "global_normalisers", "register_loss_agg"]
 
 AggFn = Callable[..., torch.Tensor]
-LOSS_AGG_MODES: Registry[AggFn] = Registry("loss_agg_mode")
 
 
-def register_loss_agg(name: str, *, options: tuple[str, ...] = ()) -> Callable[[AggFn], AggFn]:
-    """Decorator: register an aggregation ``fn(token_sums, mask, num_tokens, num_seqs,
-    scale) -> loss`` under ``name`` (``agg_loss`` passes the per-sequence sums of l m, the
-    mask, N and S, local or global, and ``loss_scale_factor``). ``options``: the
-    ``actor.*``/``critic.*`` settings it reads (``loss_scale_factor``); one it does not read
-    draws a warning when set."""
-    return LOSS_AGG_MODES.register(name, options=tuple(options))
-
-
-@register_loss_agg("token-mean")
 def _token_mean(sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any) -> Any:
     return sums.sum() / max(float(m.sum() if tokens is None else tokens), 1.0)
 
 
-@register_loss_agg("token-sum")
 def _token_sum(sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any) -> Any:
     return sums.sum()
 
@@ -46,21 +34,18 @@ def _seqs(m: torch.Tensor, seqs: Any) -> float:
     return max(float((m.sum(-1) > 0).sum() if seqs is None else seqs), 1.0)
 
 
-@register_loss_agg("seq-mean-token-sum")
 def _seq_mean_token_sum(
     sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
 ) -> Any:
     return sums.sum() / _seqs(m, seqs)
 
 
-@register_loss_agg("seq-mean-token-mean")
 def _seq_mean_token_mean(
     sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
 ) -> Any:
     return (sums / m.sum(-1).clamp(min=1.0)).sum() / _seqs(m, seqs)
 
 
-@register_loss_agg("seq-mean-token-sum-norm", options=("loss_scale_factor",))
 def _seq_mean_token_sum_norm(
     sums: torch.Tensor, m: torch.Tensor, tokens: Any, seqs: Any, scale: Any
 ) -> Any:

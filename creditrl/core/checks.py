@@ -58,13 +58,13 @@ def uses_critic(cfg: Config) -> bool:
     return _declares(cfg, "requires", "values")
 
 
-@register_config_check("critic_batches", order=30)
+@register_config_check("critic_batches")
 def _check_critic_batches(cfg: Config) -> None:
     if uses_critic(cfg) and estimator_info(cfg) is not None:
         check_batches(cfg, "critic")
 
 
-@register_config_check("estimator_groups", order=40)
+@register_config_check("estimator_groups")
 def _check_estimator_groups(cfg: Config) -> None:
     alg, n = cfg.algorithm, cfg.rollout.n
     if estimator_info(cfg) is not None and _declares(cfg, "grouped") and n < 2:
@@ -77,14 +77,12 @@ def _check_estimator_groups(cfg: Config) -> None:
 
 register_unused_rule(
     "critic",
-    order=0,
     applies=lambda c: not uses_critic(c),
     keys=("critic.", "model.critic_path", "trainer.critic_warmup", "trainer.critic_placement"),
     reason=lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} uses no critic",
 )
 register_unused_rule(
     "distill_reward_shaping",
-    order=110,
     applies=lambda c: c.distill.teacher is not None and loss_reads_teacher(c),
     keys=("distill.coef", "distill.combine"),
     reason=lambda c: (
@@ -92,52 +90,45 @@ register_unused_rule(
         "alone (these shape the rewards it does not read)"
     ),
 )
-for _order, _key in ((170, "target_kl"), (180, "horizon")):
+for _key in ("target_kl", "horizon"):
     register_unused_rule(
         f"kl_ctrl_{_key}",
-        order=_order,
         applies=lambda c, key=_key: not _declared("KL_CONTROLLERS", c.algorithm.kl_ctrl.type, key),
         keys=(f"algorithm.kl_ctrl.{_key}",),
         reason=lambda c: f"algorithm.kl_ctrl.type={c.algorithm.kl_ctrl.type}",
     )
 register_unused_rule(
     "lam",
-    order=190,
     applies=lambda c: not _declares(c, "options", "lam"),
     keys=("algorithm.lam",),
     reason=lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} has no lambda",
 )
 register_unused_rule(
     "gamma",
-    order=200,
     applies=lambda c: not _declares(c, "options", "gamma"),
     keys=("algorithm.gamma",),
     reason=lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} does not discount",
 )
 register_unused_rule(
     "norm_adv_by_std_in_grpo",
-    order=210,
     applies=lambda c: not _declares(c, "options", "norm_adv_by_std_in_grpo"),
     keys=("algorithm.norm_adv_by_std_in_grpo",),
     reason=lambda c: f"algorithm.adv_estimator={c.algorithm.adv_estimator} divides by no group std",
 )
 register_unused_rule(
     "clip_ratio_c",
-    order=220,
     applies=lambda c: not _loss_reads(c, "clip_ratio_c"),
     keys=("actor.clip_ratio_c",),
     reason=lambda c: f"actor.policy_loss={c.actor.policy_loss} has no dual clip",
 )
 register_unused_rule(
     "sapo_gate",
-    order=230,
     applies=lambda c: not _loss_reads(c, "tau_pos"),
     keys=("actor.tau_pos", "actor.tau_neg"),
     reason=lambda c: f"actor.policy_loss={c.actor.policy_loss} is not sapo (it has no gate)",
 )
 register_unused_rule(
     "loss_scale_factor",
-    order=240,
     applies=lambda c: not _declared("LOSS_AGG_MODES", c.actor.loss_agg_mode, "loss_scale_factor"),
     keys=("actor.loss_scale_factor",),
     reason=lambda c: f"actor.loss_agg_mode={c.actor.loss_agg_mode} divides by no constant",

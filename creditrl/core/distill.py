@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from creditrl.core.policy_losses import PolicyLossConfig, _finish, log_ratio, register_policy_loss
+from creditrl.core.policy_losses import PolicyLossConfig, _finish, log_ratio
 
 __all__ = ["compute_policy_loss_distill", "distill_term"]
 
@@ -32,7 +32,6 @@ def distill_term(
     return (teacher_log_prob - student_log_prob) * mask
 
 
-@register_policy_loss("distill", requires=("teacher_log_prob",))
 def compute_policy_loss_distill(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from creditrl.core.registry import Registry
+from creditrl.core.registries import KL_CONTROLLERS, KL_ESTIMATORS, register_kl_controller
 
 __all__ = [
     "KL_CONTROLLERS",
@@ -25,28 +25,23 @@ __all__ = [
 ]
 
 KLFn = Callable[..., torch.Tensor]
-KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 
 
-@KL_ESTIMATORS.register("k1", "kl")
 def _k1(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
     """k1_t = log pi(a_t|s_t) - log pi_ref(a_t|s_t): unbiased, can be negative."""
     return logprob - ref_logprob
 
 
-@KL_ESTIMATORS.register("abs")
 def _abs(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
     """|log pi - log pi_ref|."""
     return (logprob - ref_logprob).abs()
 
 
-@KL_ESTIMATORS.register("k2", "mse")
 def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
     """k2_t = 0.5 * (log pi - log pi_ref)^2."""
     return 0.5 * (logprob - ref_logprob).square()
 
 
-@KL_ESTIMATORS.register("k3", "low_var_kl")
 def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor, **_: object) -> torch.Tensor:
     """k3_t = exp(x) - x - 1 with x = log pi_ref - log pi (Schulman's low-variance estimator).
 
@@ -126,25 +121,12 @@ class AdaptiveKLController:
 
 
 KLControllerFactory = Callable[..., Any]
-KL_CONTROLLERS: Registry[KLControllerFactory] = Registry("kl_ctrl type")
 
 
-def register_kl_controller(
-    name: str, *, options: tuple[str, ...] = ()
-) -> Callable[[KLControllerFactory], KLControllerFactory]:
-    """Decorator: register ``factory(kl_coef=, target_kl=, horizon=)`` -> controller (with
-    ``value``, ``update``, ``state_dict``, ``load_state_dict``) under ``name``. ``options``:
-    the ``algorithm.kl_ctrl.*`` settings besides ``kl_coef`` it reads; one it does not read
-    draws a warning when set."""
-    return KL_CONTROLLERS.register(name, options=tuple(options))
-
-
-@register_kl_controller("fixed")
 def _fixed(kl_coef: float, **_: float) -> FixedKLController:
     return FixedKLController(kl_coef)
 
 
-@register_kl_controller("adaptive", options=("target_kl", "horizon"))
 def _adaptive(kl_coef: float, target_kl: float, horizon: float) -> AdaptiveKLController:
     return AdaptiveKLController(kl_coef, target_kl, horizon)
 

@@ -26,7 +26,11 @@ import torch
 
 from creditrl.core.aggregation import agg_loss
 from creditrl.core.masked import masked_mean
-from creditrl.core.registry import Registry
+from creditrl.core.registries import (
+    POLICY_LOSSES,
+    get_policy_loss,
+    register_policy_loss,
+)
 
 __all__ = [
     "POLICY_LOSSES",
@@ -43,28 +47,6 @@ __all__ = [
 ]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-
-
-def register_policy_loss(
-    name: str, *aliases: str, options: tuple[Any, ...] = (), requires: tuple[str, ...] = ()
-) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register a policy loss under ``name`` and each alias. ``options``: the
-    ``actor.*`` settings it reads from its ``PolicyLossConfig`` (``clip_ratio_c``, ``tau_pos``,
-    ...; one it does not read draws a warning when set, and ``explain`` shows only these), and
-    ``creditrl.config.Option``s of its own, set as ``actor.policy_loss_kwargs.NAME`` and read
-    as ``config.kwargs[NAME]``. ``requires``: further (B, T) batch fields it reads, passed as
-    keyword arguments of those names (``("teacher_log_prob",)`` for ``distill``)."""
-    return POLICY_LOSSES.register(name, *aliases, options=tuple(options), requires=tuple(requires))
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as ``name``; KeyError listing the choices otherwise."""
-    return POLICY_LOSSES.get(name)
-
-
-CLIP_OPTIONS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")  # the trust region's sides
 
 
 @dataclass
@@ -129,7 +111,6 @@ def _finish(
     return pg_loss, metrics
 
 
-@register_policy_loss("ppo", "vanilla", options=(*CLIP_OPTIONS, "clip_ratio_c"))
 def compute_policy_loss_ppo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -178,7 +159,6 @@ def compute_policy_loss_ppo(
     )
 
 
-@register_policy_loss("gspo", options=CLIP_OPTIONS)
 def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -225,7 +205,6 @@ def compute_policy_loss_gspo(
     )
 
 
-@register_policy_loss("cispo", options=CLIP_OPTIONS)
 def compute_policy_loss_cispo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -263,7 +242,6 @@ def compute_policy_loss_cispo(
     )
 
 
-@register_policy_loss("gpg")
 def compute_policy_loss_gpg(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -287,7 +265,6 @@ def compute_policy_loss_gpg(
     )
 
 
-@register_policy_loss("sapo", options=("tau_pos", "tau_neg"))
 def compute_policy_loss_sapo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

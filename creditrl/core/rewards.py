@@ -13,6 +13,7 @@ import torch
 
 from creditrl.core.kl import kl_penalty as kl_estimate
 from creditrl.core.masked import masked_mean
+from creditrl.core.registries import REWARD_DISTRIBUTIONS
 
 __all__ = [
     "REWARD_DISTRIBUTIONS",
@@ -22,8 +23,6 @@ __all__ = [
     "structured_to_token_level",
     "total_score",
 ]
-
-REWARD_DISTRIBUTIONS = ("turn_proportional", "final_token_only")
 
 
 def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:

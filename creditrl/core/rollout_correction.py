@@ -27,6 +27,7 @@ import math
 import torch
 
 from creditrl.core.masked import masked_mean, masked_sum
+from creditrl.core.registries import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 
 __all__ = [
     "ROLLOUT_IS_LEVELS",
@@ -37,8 +38,6 @@ __all__ = [
     "compute_rollout_importance_weights",
 ]
 
-ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
-ROLLOUT_IS_MODES = ("truncate", "mask")
 
 # Log ratios are clamped to [-SAFETY_BOUND, SAFETY_BOUND] before exp, as in verl:
 # weights stay within [exp(-20), exp(20)] ~ [2.1e-9, 4.9e8], finite in float32.

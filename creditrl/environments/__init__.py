@@ -18,10 +18,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["build_verifiers_rollout", "environment_datasets", "load_verifiers_environment"]
+_HOMES = {
+    "build_verifiers_rollout": "creditrl.environments.verifiers",
+    "environment_datasets": "creditrl.environments.verifiers",
+    "load_verifiers_environment": "creditrl.environments.verifiers",
+}
+
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("creditrl.environments.verifiers"), name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,48 +1,40 @@
 """Rollout engines behind one interface (``RolloutEngine``) and a registry (``rollout.engine``):
-sample responses (token ids, masks, log-probs) for a prompt Batch. Importing this package
-registers the built-in engines, ``hf`` and ``vllm``."""
+sample responses (token ids, masks, log-probs) for a prompt Batch. The built-in engines, ``hf``
+and ``vllm``, are declared in ``creditrl.rollout.registries`` and imported when built; names
+here are imported on first use, so the registries are read without importing torch."""
 
-from creditrl.rollout.engine import (
-    ROLLOUT_ENGINES,
-    EngineArgs,
-    EngineTraits,
-    RolloutEngine,
-    build_rollout_engine,
-    check_rollout_engine,
-    check_sampling_replay,
-    engine_traits,
-    kept_sets_recorded,
-    register_rollout_engine,
-    rollout_log_probs_are_actors,
-)
-from creditrl.rollout.hf_engine import HFRolloutEngine
-from creditrl.rollout.sampling import (
-    SamplingParams,
-    eos_token_ids_of,
-    filter_logits,
-    sample_next_tokens,
-)
-from creditrl.rollout.strategies import StrategyTraits, register_rollout_strategy
-from creditrl.rollout.vllm_engine import VLLMRolloutEngine
+from __future__ import annotations
 
-__all__ = [
-    "ROLLOUT_ENGINES",
-    "EngineArgs",
-    "EngineTraits",
-    "HFRolloutEngine",
-    "RolloutEngine",
-    "SamplingParams",
-    "StrategyTraits",
-    "VLLMRolloutEngine",
-    "build_rollout_engine",
-    "check_rollout_engine",
-    "check_sampling_replay",
-    "engine_traits",
-    "eos_token_ids_of",
-    "filter_logits",
-    "kept_sets_recorded",
-    "register_rollout_engine",
-    "register_rollout_strategy",
-    "rollout_log_probs_are_actors",
-    "sample_next_tokens",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "ROLLOUT_ENGINES": "creditrl.rollout.registries",
+    "EngineArgs": "creditrl.rollout.engine",
+    "EngineTraits": "creditrl.rollout.registries",
+    "HFRolloutEngine": "creditrl.rollout.hf_engine",
+    "RolloutEngine": "creditrl.rollout.engine",
+    "SamplingParams": "creditrl.rollout.sampling",
+    "StrategyTraits": "creditrl.rollout.strategies",
+    "VLLMRolloutEngine": "creditrl.rollout.vllm_engine",
+    "build_rollout_engine": "creditrl.rollout.engine",
+    "check_rollout_engine": "creditrl.rollout.registries",
+    "check_sampling_replay": "creditrl.rollout.registries",
+    "engine_traits": "creditrl.rollout.registries",
+    "eos_token_ids_of": "creditrl.rollout.sampling",
+    "filter_logits": "creditrl.rollout.sampling",
+    "kept_sets_recorded": "creditrl.rollout.registries",
+    "register_rollout_engine": "creditrl.rollout.registries",
+    "register_rollout_strategy": "creditrl.rollout.strategies",
+    "rollout_log_probs_are_actors": "creditrl.rollout.registries",
+    "sample_next_tokens": "creditrl.rollout.sampling",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """``creditrl.rollout.NAME`` from the module that defines it, imported now."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'creditrl.rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

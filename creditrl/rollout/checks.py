@@ -10,7 +10,7 @@ from creditrl.config.checks import register_config_check, register_unused_rule
 from creditrl.config.schema import Config
 from creditrl.config.validate import BUILT_IN_LOOP_KEYS, PROGRAM_KEYS
 from creditrl.errors import ConfigError
-from creditrl.rollout.engine import ROLLOUT_ENGINES, EngineTraits, engine_traits
+from creditrl.rollout.registries import ROLLOUT_ENGINES, EngineTraits, engine_traits
 from creditrl.rollout.strategies import strategy_traits
 
 __all__ = ["configured_engine_traits", "other_engines_options"]
@@ -36,7 +36,7 @@ def other_engines_options(cfg: Config) -> tuple[str, ...]:
     return tuple(f"rollout.{key}" for key in sorted(declared - ours))
 
 
-@register_config_check("engine_lora", order=60)
+@register_config_check("engine_lora")
 def _check_engine_lora(cfg: Config) -> None:
     if cfg.model.lora_rank > 0 and not configured_engine_traits(cfg).supports_lora:
         raise ConfigError(
@@ -44,7 +44,7 @@ def _check_engine_lora(cfg: Config) -> None:
         )
 
 
-@register_config_check("static_decode_cache", order=80)
+@register_config_check("static_decode_cache")
 def _check_static_decode_cache(cfg: Config) -> None:
     static = cfg.rollout.engine_kwargs.get("decode_cache")
     if static == "static" and strategy_traits(cfg).multi_turn and cfg.agent.keep_kv_cache:
@@ -57,28 +57,24 @@ def _check_static_decode_cache(cfg: Config) -> None:
 
 register_unused_rule(
     "agent",
-    order=10,
     applies=lambda c: not strategy_traits(c).multi_turn,
     keys=("agent.",),
     reason=lambda c: "agent.enable=false",
 )
 register_unused_rule(
     "program_keys",
-    order=20,
     applies=lambda c: strategy_traits(c).multi_turn and not strategy_traits(c).runs_program,
     keys=PROGRAM_KEYS,
     reason=lambda c: "agent.program is not set (these are its settings)",
 )
 register_unused_rule(
     "built_in_loop_keys",
-    order=30,
     applies=lambda c: strategy_traits(c).multi_turn and not strategy_traits(c).uses_tools,
     keys=BUILT_IN_LOOP_KEYS,
     reason=lambda c: "agent.program runs its own loop and tools (these are the built-in loop's)",
 )
 register_unused_rule(
     "few_shot",
-    order=40,
     applies=lambda c: bool(c.data.train_files) or strategy_traits(c).multi_turn,
     keys=("data.few_shot",),
     reason=lambda c: (
@@ -89,7 +85,6 @@ register_unused_rule(
 )
 register_unused_rule(
     "other_engines_options",
-    order=140,
     applies=lambda c: True,
     keys=other_engines_options,
     reason=lambda c: f"rollout.engine={c.rollout.engine} (these settings are other engines')",

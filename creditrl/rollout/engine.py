@@ -22,7 +22,7 @@ its docstring) and read from there: nothing probes an engine for what it can do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -32,13 +32,23 @@ import torch
 
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
-from creditrl.core.registry import Registry
-from creditrl.errors import ConfigError, UserCodeError
+from creditrl.errors import UserCodeError
 from creditrl.rollout.engine_declarations import check_declarations
-from creditrl.rollout.strategies import strategy_traits
+from creditrl.rollout.registries import (
+    ROLLOUT_ENGINES,
+    EngineTraits,
+    check_rollout_engine,
+    check_sampling_replay,
+    engine_entry,
+    engine_traits,
+    kept_sets_recorded,
+    register_rollout_engine,
+    rollout_log_probs_are_actors,
+    truncates,
+)
 
 if TYPE_CHECKING:
-    from creditrl.config import Config
+    pass
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -55,11 +65,8 @@ __all__ = [
     "truncates",
 ]
 
-ROLLOUT_ENGINES: Registry = Registry("rollout engine")
-
 E = TypeVar("E")
 _REQUIRED = ("generate", "update_weights", "wake_up", "sleep", "generator")
-WEIGHT_TRANSFERS = ("tensors", "folder")
 
 
 @dataclass(frozen=True)
@@ -209,100 +216,6 @@ class RolloutEngine:
         raise NotImplementedError(f"{type(self).__name__} declares weights_via='folder'")
 
 
-def _available() -> str | None:
-    return None
-
-
-@dataclass(frozen=True)
-class EngineTraits:
-    """What a registered engine declares (its class attributes, or the keywords of
-    ``register_rollout_engine``); see ``RolloutEngine``."""
-
-    samples_with_actor_module: bool = False
-    exact_log_probs: bool = False
-    records_kept_set: bool = False
-    unavailable_reason: Callable[[], str | None] = _available
-    supports_lora: bool = True
-    weights_via: str = "tensors"
-    options: tuple[Any, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.weights_via not in WEIGHT_TRANSFERS:
-            raise TypeError(f"weights_via={self.weights_via!r}: choose one of {WEIGHT_TRANSFERS}")
-
-
-_TRAITS = (
-    "samples_with_actor_module",
-    "exact_log_probs",
-    "records_kept_set",
-    "unavailable_reason",
-    "supports_lora",
-    "weights_via",
-    "options",
-)
-
-
-def register_rollout_engine(name: str, *aliases: str, **traits: Any) -> Callable[[E], E]:
-    """Decorator: register an engine class (built by its ``from_args(args)``, else
-    ``cls(args)``; its class attributes declare the traits) or a builder ``fn(args: EngineArgs)
-    -> engine`` under ``name`` and ``aliases``. Keywords (``samples_with_actor_module``,
-    ``exact_log_probs``, ``records_kept_set``, ``unavailable_reason``, ``supports_lora``,
-    ``weights_via``, ``options``) declare or override the traits."""
-    unknown = sorted(set(traits) - set(_TRAITS))
-    if unknown:
-        raise TypeError(f"register_rollout_engine: unknown traits {unknown}; use {list(_TRAITS)}")
-
-    def wrap(entry: E) -> E:
-        defaults = EngineTraits()
-        declared = {k: getattr(entry, k, getattr(defaults, k)) for k in _TRAITS}
-        declared.update(traits)
-        ROLLOUT_ENGINES.register(
-            name, *aliases, traits=EngineTraits(**declared), options=tuple(declared["options"])
-        )(entry)
-        return entry
-
-    return wrap
-
-
-def _entry(name: str) -> Any:
-    try:
-        return ROLLOUT_ENGINES.get(name)
-    except KeyError as e:
-        raise ConfigError(f"rollout.engine: {e.args[0]}") from None
-
-
-def engine_traits(name: str) -> EngineTraits:
-    """The traits registered engine ``name`` declares (ConfigError listing the choices if
-    none is registered under that name)."""
-    _entry(name)
-    return ROLLOUT_ENGINES.info(name)["traits"]
-
-
-def check_rollout_engine(name: str) -> None:
-    """ConfigError (one line) if engine ``name`` is unknown or cannot run on this machine."""
-    reason = engine_traits(name).unavailable_reason()
-    if reason is not None:
-        raise ConfigError(f"rollout.engine={name}: {reason}")
-
-
-def truncates(cfg: RolloutConfig) -> bool:
-    """Training rollouts cut the vocabulary: top-k, top-p or min-p is on."""
-    return cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
-
-
-def check_sampling_replay(cfg: RolloutConfig) -> None:
-    """ConfigError (one line) when sampling replay is asked for (``rollout.sampling_replay``
-    with top-k/top-p/min-p on) and the engine does not declare ``records_kept_set``."""
-    if not (cfg.sampling_replay and truncates(cfg)):
-        return
-    if not engine_traits(cfg.engine).records_kept_set:
-        raise ConfigError(
-            f"rollout.engine={cfg.engine} does not record the kept set of top-k/top-p/min-p "
-            "sampling that rollout.sampling_replay=true replays: drop the truncation or set "
-            "rollout.sampling_replay=false (log-probs over the whole vocabulary, biased)"
-        )
-
-
 def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
     """The engine ``args.cfg.engine`` names, built from ``args`` (checked first with
     ``check_sampling_replay`` and ``check_rollout_engine``); UserCodeError if what it builds
@@ -310,7 +223,7 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
     name = args.cfg.engine
     check_sampling_replay(args.cfg)
     check_rollout_engine(name)
-    entry = _entry(name)
+    entry = engine_entry(name)
     subclass = isinstance(entry, type) and issubclass(entry, RolloutEngine)
     builder = entry.from_args if subclass else entry
     engine = builder(args)
@@ -324,26 +237,3 @@ def build_rollout_engine(args: EngineArgs) -> RolloutEngine:
         )
     check_declarations(engine, name, args.cfg.max_response_length, RolloutEngine)
     return engine
-
-
-def rollout_log_probs_are_actors(cfg: Config) -> bool:
-    """The engine's ``rollout_log_probs`` are the actor's own log-probs at the sampling
-    temperature: the engine declares ``exact_log_probs``; no top-k/top-p/min-p, or they are
-    replayed (``rollout.sampling_replay`` with an engine that ``records_kept_set``); and every
-    ``response_mask`` token was sampled (not agent observations with state masking off)."""
-    return (
-        engine_traits(cfg.rollout.engine).exact_log_probs
-        and (not truncates(cfg.rollout) or kept_sets_recorded(cfg))
-        and not (strategy_traits(cfg).multi_turn and not cfg.agent.state_masking)
-    )
-
-
-def kept_sets_recorded(cfg: Config) -> bool:
-    """Training batches carry ``rollout_kept_counts``: top-k/top-p/min-p is on, with
-    ``rollout.sampling_replay`` and an engine that ``records_kept_set`` (single-turn, and
-    multi-turn trajectories, which carry each turn's sizes, 0 on observations)."""
-    return (
-        cfg.rollout.sampling_replay
-        and truncates(cfg.rollout)
-        and engine_traits(cfg.rollout.engine).records_kept_set
-    )

@@ -49,25 +49,25 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
-from creditrl.config.options import Option
 from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
 from creditrl.rollout import cpu_kernels
 from creditrl.rollout.cpu_kernels import weight_major_linears
 from creditrl.rollout.cuda_graph import StaticDecoder, static_decode_unsupported
-from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
+from creditrl.rollout.engine import EngineArgs, RolloutEngine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
+from creditrl.rollout.registries import DECODE_CACHE, SAMPLE_DTYPE
+from creditrl.rollout.sample_buffers import SampleBuffers
 from creditrl.rollout.sampler_copy import SamplerCopy
 from creditrl.rollout.sampling import (
     SamplingParams,
     check_sampling_config,
     counter_uniforms,
     eos_token_ids_of,
-    sample_next_tokens,
     sampling_params_of,
 )
-from creditrl.rollout.static_loop import static_decode
+from creditrl.rollout.static_loop import StepSampler, static_decode
 
 if TYPE_CHECKING:
     from creditrl.rollout.turn_cache import TurnKVCache, TurnPrefill
@@ -90,34 +90,11 @@ FAST_DECODE = True
 # prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
 
-DECODE_CACHE = Option(
-    "decode_cache",
-    "auto",
-    "'static': decode from a preallocated KV cache, captured as a CUDA graph on CUDA (eager on "
-    "the CPU); 'dynamic': finished rows leave the cache; 'auto': static for CUDA models that "
-    "allow it. 'static' with agent.keep_kv_cache is refused",
-    choices=("auto", "static", "dynamic"),
-)
-"""The engine's option ``rollout.engine_kwargs.decode_cache`` (``rollout.cuda_graph``)."""
-
-SAMPLE_DTYPE = Option(
-    "sample_dtype",
-    "model",
-    "'model': sample with the actor's module as it is (its log-probs are the actor's); "
-    "'bfloat16': with a bf16 copy refreshed in place before each call (half the bytes a decode "
-    "step reads; its log-probs are the copy's, so it needs the update under bf16 autocast, "
-    "where old_log_probs are recomputed)",
-    choices=("model", "bfloat16"),
-)
-"""The engine's option ``rollout.engine_kwargs.sample_dtype`` (``rollout.sampler_copy``)."""
-
-
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Rows that are the same prompt (same real tokens, same padding) get equal keys."""
     return input_ids.masked_fill(attention_mask == 0, -1)
 
 
-@register_rollout_engine("hf")
 class HFRolloutEngine(RolloutEngine):
     """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine),
     registered as ``rollout.engine=hf``. It samples with the module it is given
@@ -477,23 +454,20 @@ class HFRolloutEngine(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Responses (m, L) padded, log-probs (m, L), lengths (m,) and, when the sampling
         truncates and ``rollout.sampling_replay`` is on, kept-set sizes (m, L) (else None) for
-        one micro-batch; with
-        ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of its own seed. With
-        ``turns``, the prefill continues the rows' kept KV and each row's KV is kept when it
-        finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode steps instead
-        of the model's forward when given; ``static`` (without ``turns``) runs them from its
-        static cache, finished rows kept in the batch and fed the pad id. ``caps`` (m,) ends
-        each row at its own token count (at most the engine's)."""
-        m, device, max_new = len(ids), ids.device, params.max_new_tokens
+        one micro-batch; with ``seeds`` (m,) each row's draws come from ``counter_uniforms`` of
+        its own seed. With ``turns``, the prefill continues the rows' kept KV and each row's KV
+        is kept when it finishes (``creditrl.rollout.turn_cache``). ``decoder`` runs the decode
+        steps instead of the model's forward when given; ``static`` (without ``turns``) runs
+        them from its static cache, finished rows kept in the batch and fed the pad id.
+        ``caps`` (m,) ends each row at its own token count (at most the engine's)."""
+        max_new = params.max_new_tokens
         if caps is not None:
-            caps = caps.to(device=device, dtype=torch.long).clamp(1, max_new)
+            caps = caps.to(device=ids.device, dtype=torch.long).clamp(1, max_new)
             max_new = int(caps.max())
-        stats, start = self.last_stats, time.perf_counter()
+        start = time.perf_counter()
         record = params.truncates and self.cfg.sampling_replay
         if turns is None:
-            first_real = int((mask.sum(0) > 0).long().argmax())
-            ids, mask = ids[:, first_real:], mask[:, first_real:]
-            positions = positions[:, first_real:]
+            ids, mask, positions = _trim_padding(ids, mask, positions)
             if static is not None:
                 return self._decode_static(
                     ids, mask, positions, params, max_new, seeds, caps, record, static
@@ -501,54 +475,63 @@ class HFRolloutEngine(RolloutEngine):
             cache, logits = self._prefill(ids, mask, positions, max_new)
             next_position = positions[:, -1] + 1
         else:
-            new_cache = partial(preallocated_cache, self.model)
-            cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
-                device, self._forward, new_cache, max_new, self.pad_token_id, self._fresh_prefill
-            )
-            stats["prefill_rows"] += prefilled_rows
-            stats["prefill_tokens"] += prefilled
+            cache, logits, mask, next_position = self._prefill_turns(turns, ids.device, max_new)
+        out = SampleBuffers.empty(len(ids), max_new, self.pad_token_id, record, ids.device)
+        decode_start = time.perf_counter()
+        self.last_stats["prefill_s"] += decode_start - start
+        self._decode(out, logits, cache, mask, next_position, params, seeds, caps, turns, decoder)
+        self.last_stats["decode_s"] += time.perf_counter() - decode_start
+        return out.parts()
 
-        responses = torch.full((m, max_new), self.pad_token_id, dtype=torch.long, device=device)
-        log_probs = torch.zeros((m, max_new), dtype=torch.float32, device=device)
-        kept = torch.zeros((m, max_new), dtype=torch.long, device=device) if record else None
-        lengths = torch.full((m,), max_new, dtype=torch.long, device=device)
+    def _prefill_turns(
+        self, turns: TurnPrefill, device: torch.device, max_new: int
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cache, next-token logits, attention mask and next positions of rows that
+        continue their kept KV (``turns.prefill``), the prefill counted in ``last_stats``."""
+        new_cache = partial(preallocated_cache, self.model)
+        cache, logits, mask, next_position, prefilled_rows, prefilled = turns.prefill(
+            device, self._forward, new_cache, max_new, self.pad_token_id, self._fresh_prefill
+        )
+        self.last_stats["prefill_rows"] += prefilled_rows
+        self.last_stats["prefill_tokens"] += prefilled
+        return cache, logits, mask, next_position
+
+    def _decode(
+        self,
+        out: SampleBuffers,
+        logits: torch.Tensor,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        next_position: torch.Tensor,
+        params: SamplingParams,
+        seeds: torch.Tensor | None,
+        caps: torch.Tensor | None,
+        turns: TurnPrefill | None,
+        decoder: LlamaDecoder | None,
+    ) -> None:
+        """Sample one token per step into ``out`` for the running rows, from the prefill's
+        ``logits`` and ``cache``, until every row has sampled an EOS id or reached its cap; a
+        finished row leaves the running batch (unless ``remove_finished`` is off), its KV
+        kept in ``turns`` first when given."""
+        m, device, max_new = len(out.lengths), out.lengths.device, out.responses.shape[1]
+        sampler = StepSampler.of(params, with_kept=out.kept is not None)
         rows = torch.arange(m, device=device)  # micro-batch row of each running row
         alive = torch.ones(m, dtype=torch.bool, device=device)  # naive loop: rows still unfinished
-        decode_start = time.perf_counter()
-        stats["prefill_s"] += decode_start - start
         for step in range(max_new):
-            uniforms = None
-            if seeds is not None and not params.greedy:
-                uniforms = counter_uniforms(seeds[rows], step).to(device)
-            elif not params.greedy:  # one draw per trajectory, so removals do not shift the stream
-                uniforms = torch.rand(m, generator=self.generator, device=device)[rows]
-            sampled = sample_next_tokens(
-                logits,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                greedy=params.greedy,
-                uniforms=uniforms,
-                min_p=params.min_p,
-                with_kept=kept is not None,
-            )
-            tokens, token_log_probs = sampled[0], sampled[1]
-            live_rows = rows[alive]
-            responses[live_rows, step] = tokens[alive]
-            log_probs[live_rows, step] = token_log_probs[alive]
-            if kept is not None:
-                kept[live_rows, step] = sampled[2][alive]
+            sampled = sampler(logits, self._uniforms(params.greedy, seeds, rows, step, m))
+            tokens = sampled[0]
+            out.write(step, rows, alive, sampled)
             finished = torch.isin(tokens, self.eos_token_ids) & alive
             if caps is not None:
                 finished |= (caps[rows] <= step + 1) & alive
-            lengths[rows[finished]] = step + 1
+            out.lengths[rows[finished]] = step + 1
             alive &= ~finished
             last = step + 1 == max_new or not bool(alive.any())
             if turns is not None:  # keep KV before rows leave; a turn's last token is not fed
                 done = (finished | alive) if last else finished
                 if bool(done.any()):
                     at = done.nonzero().squeeze(1)
-                    turns.keep(rows[at], at, step, cache, mask, responses)
+                    turns.keep(rows[at], at, step, cache, mask, out.responses)
             if last:
                 break
             if self.remove_finished and not bool(alive.all()):
@@ -562,10 +545,20 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 logits = self._forward(tokens[:, None], mask, next_position[:, None], cache, False)
             next_position = next_position + 1
-            stats["decode_rows"] += len(tokens)
-            stats["decode_steps"] += 1
-        stats["decode_s"] += time.perf_counter() - decode_start
-        return responses, log_probs, lengths, kept
+            self.last_stats["decode_rows"] += len(tokens)
+            self.last_stats["decode_steps"] += 1
+
+    def _uniforms(
+        self, greedy: bool, seeds: torch.Tensor | None, rows: torch.Tensor, step: int, m: int
+    ) -> torch.Tensor | None:
+        """The running rows' uniforms at ``step`` (None: greedy): each from its row's seed
+        (``counter_uniforms``), else one draw for each of the micro-batch's ``m`` trajectories
+        from the engine's generator, so rows that leave do not shift the stream."""
+        if greedy:
+            return None
+        if seeds is not None:
+            return counter_uniforms(seeds[rows], step).to(rows.device)
+        return torch.rand(m, generator=self.generator, device=rows.device)[rows]
 
     def _decode_static(
         self,
@@ -660,3 +653,12 @@ def _prompt_tensors(prompts: Batch, device: torch.device) -> tuple[torch.Tensor,
             "prompts must be left-padded and non-empty"
         )
     return ids, mask, positions
+
+
+def _trim_padding(
+    ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids``, ``mask`` and ``positions`` less the leading columns that are padding in every
+    row."""
+    first_real = int((mask.sum(0) > 0).long().argmax())
+    return ids[:, first_real:], mask[:, first_real:], positions[:, first_real:]

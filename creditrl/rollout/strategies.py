@@ -25,8 +25,8 @@ from typing import Any
 from creditrl.config.checks import register_run_code
 from creditrl.config.fields import format_value, value_at
 from creditrl.config.schema import Config
-from creditrl.core.registry import Registry
 from creditrl.errors import ConfigError
+from creditrl.registry import Registry
 
 __all__ = [
     "ROLLOUT_STRATEGIES",
@@ -54,13 +54,23 @@ class StrategyTraits:
     - ``runs_program``: it runs user code through the endpoint (``agent.program`` or an
       environment's rollout; the endpoint's settings apply);
     - ``needs``: the settings (dotted keys) it cannot run without; choosing it with one unset
-      is refused at config load.
+      is refused at config load;
+    - ``selected_by``: the setting (a dotted key) that chooses it when ``rollout.strategy`` is
+      null: the first entry, in registration order, whose key is set (not null, not false) is
+      chosen; two set that both ``runs_program`` are refused (each runs its own episodes). It
+      is also needed, and with ``runs_program`` it names the code the strategy runs.
     """
 
     multi_turn: bool = False
     uses_tools: bool = False
     runs_program: bool = False
     needs: tuple[str, ...] = ()
+    selected_by: str | None = None
+
+    def needed(self) -> tuple[str, ...]:
+        """``needs`` with ``selected_by`` when that names code to run."""
+        extra = (self.selected_by,) if self.runs_program and self.selected_by else ()
+        return tuple(dict.fromkeys((*self.needs, *extra)))
 
 
 def register_rollout_strategy(
@@ -74,53 +84,45 @@ def register_rollout_strategy(
     return ROLLOUT_STRATEGIES.register(name, traits=traits or StrategyTraits())
 
 
-_register = register_rollout_strategy
-
-
-@_register("single_turn", StrategyTraits())
-def _single_turn(engine: Any, tokenizer: Any, cfg: Config) -> Any:
-    """The engine itself samples."""
+def single_turn(engine: Any, tokenizer: Any, cfg: Config) -> Any:
+    """The ``single_turn`` strategy: the engine itself samples."""
     return engine
 
 
-@_register("agent_loop", StrategyTraits(multi_turn=True, uses_tools=True))
-def _agent_loop(engine: Any, tokenizer: Any, cfg: Config) -> Any:
-    from creditrl.agents.rollout import AgentRollout
-
-    return AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout)
+def _add(name: str, path: str, traits: StrategyTraits) -> None:
+    ROLLOUT_STRATEGIES.add(name, path, traits=traits)
 
 
-@_register(
-    "agent_program", StrategyTraits(multi_turn=True, runs_program=True, needs=("agent.program",))
+# In the order they are chosen when rollout.strategy is null (rollout_strategy).
+_add(
+    "openenv",
+    "creditrl.environments.openenv:build_openenv_rollout",
+    StrategyTraits(multi_turn=True, runs_program=True, selected_by="env.openenv"),
 )
-def _agent_program(engine: Any, tokenizer: Any, cfg: Config) -> Any:
-    from creditrl.agents.program import ProgramRollout
-
-    return ProgramRollout.for_run(engine, tokenizer, cfg)
-
-
-@_register(
-    "verifiers", StrategyTraits(multi_turn=True, runs_program=True, needs=("env.verifiers",))
+_add(
+    "verifiers",
+    "creditrl.environments.verifiers:build_verifiers_rollout",
+    StrategyTraits(multi_turn=True, runs_program=True, selected_by="env.verifiers"),
 )
-def _verifiers(engine: Any, tokenizer: Any, cfg: Config) -> Any:
-    from creditrl.environments.verifiers import build_verifiers_rollout
-
-    return build_verifiers_rollout(engine, tokenizer, cfg)
-
-
-@_register("openenv", StrategyTraits(multi_turn=True, runs_program=True, needs=("env.openenv",)))
-def _openenv(engine: Any, tokenizer: Any, cfg: Config) -> Any:
-    from creditrl.environments.openenv import build_openenv_rollout
-
-    return build_openenv_rollout(engine, tokenizer, cfg)
+_add(
+    "agent_program",
+    "creditrl.agents.program:program_rollout",
+    StrategyTraits(multi_turn=True, runs_program=True, selected_by="agent.program"),
+)
+_add(
+    "agent_loop",
+    "creditrl.agents.rollout:agent_loop_rollout",
+    StrategyTraits(multi_turn=True, uses_tools=True, selected_by="agent.enable"),
+)
+_add("single_turn", "creditrl.rollout.strategies:single_turn", StrategyTraits())
 
 
 def rollout_strategy(cfg: Config) -> str:
     """The entry ``cfg`` selects: ``rollout.strategy`` when set (a ConfigError naming the
-    choices when nothing is registered under it, or a setting it ``needs`` unset), else
-    ``openenv`` when ``env.openenv`` is set, ``verifiers`` when ``env.verifiers`` is set,
-    ``agent_program`` when ``agent.program`` is set (with or without ``agent.enable``),
-    ``agent_loop`` when ``agent.enable``, else ``single_turn``."""
+    choices when nothing is registered under it, or a setting it ``needs`` unset), else the
+    first entry whose ``selected_by`` key is set (``openenv`` for ``env.openenv``,
+    ``verifiers`` for ``env.verifiers``, ``agent_program`` for ``agent.program``, with or
+    without ``agent.enable``, ``agent_loop`` for ``agent.enable``), else ``single_turn``."""
     chosen = cfg.rollout.strategy
     if chosen is not None:
         if chosen not in ROLLOUT_STRATEGIES:
@@ -128,31 +130,29 @@ def rollout_strategy(cfg: Config) -> str:
                 f"rollout.strategy={chosen!r:.80} is not a registered rollout strategy; choose "
                 f"one of {', '.join(ROLLOUT_STRATEGIES.names())} (or null)"
             )
-        for key in ROLLOUT_STRATEGIES.info(chosen)["traits"].needs:
+        for key in ROLLOUT_STRATEGIES.info(chosen)["traits"].needed():
             if value_at(cfg, key) is None:
                 raise ConfigError(
                     f"rollout.strategy={chosen} needs {key}, which is not set; set {key}, or "
                     "leave rollout.strategy null to choose by the agent and env keys"
                 )
         return chosen
-    if cfg.env.openenv is not None:
-        other = "env.verifiers" if cfg.env.verifiers is not None else "agent.program"
-        if cfg.env.verifiers is not None or cfg.agent.program is not None:
-            raise ConfigError(
-                f"env.openenv and {other} both choose the rollout (each runs its own "
-                "episodes); set one of them"
-            )
-        return "openenv"
-    if cfg.env.verifiers is not None:
-        if cfg.agent.program is not None:
-            raise ConfigError(
-                "env.verifiers and agent.program both choose the rollout (each runs its own "
-                "episodes); set one of them"
-            )
-        return "verifiers"
-    if cfg.agent.program is not None:
-        return "agent_program"
-    return "agent_loop" if cfg.agent.enable else "single_turn"
+    selected = [
+        (name, traits)
+        for name in ROLLOUT_STRATEGIES
+        if (traits := ROLLOUT_STRATEGIES.info(name)["traits"]).selected_by
+        and value_at(cfg, traits.selected_by) not in (None, False)
+    ]
+    if not selected:
+        return "single_turn"
+    (name, first), *others = selected
+    clash = [t.selected_by for _, t in others if first.runs_program and t.runs_program]
+    if clash:
+        raise ConfigError(
+            f"{first.selected_by} and {clash[0]} both choose the rollout (each runs its own "
+            "episodes); set one of them"
+        )
+    return name
 
 
 def strategy_traits(cfg: Config) -> StrategyTraits:
@@ -160,18 +160,14 @@ def strategy_traits(cfg: Config) -> StrategyTraits:
     return ROLLOUT_STRATEGIES.info(rollout_strategy(cfg))["traits"]
 
 
-@register_run_code("rollout_strategy", order=10)
+@register_run_code("rollout_strategy")
 def strategy_code(cfg: Config) -> list[str]:
     """``key=value`` of the settings naming the code the selected strategy runs (listed by
     ``creditrl.config.run_config.run_code``, registered with ``creditrl.config.checks``)."""
     found = []
     traits = strategy_traits(cfg)
-    if cfg.env.verifiers is not None:
-        found.append(f"env.verifiers={format_value(cfg.env.verifiers)}")
-    elif cfg.env.openenv is not None:
-        found.append(f"env.openenv={format_value(cfg.env.openenv)}")
-    elif traits.runs_program:
-        found.append(f"agent.program={format_value(cfg.agent.program)}")
+    for key in traits.needed():
+        found.append(f"{key}={format_value(value_at(cfg, key))}")
     if traits.uses_tools and cfg.agent.tool_config is not None:
         found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")
     return found

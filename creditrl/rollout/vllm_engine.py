@@ -57,7 +57,6 @@ functions that need neither vLLM nor a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -71,7 +70,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import ConfigError
-from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
+from creditrl.rollout.engine import EngineArgs, RolloutEngine
+from creditrl.rollout.registries import vllm_unavailable_reason
 from creditrl.rollout.sampling import check_sampling_config, eos_token_ids_of, sampling_params_of
 from creditrl.rollout.vllm_requests import (
     LOGPROBS_MODE,
@@ -109,18 +109,6 @@ EXTERNAL_LAUNCHER = "external_launcher"
 # vLLM's choice for one GPU when none is named, and ``external_launcher`` (one worker per rank).
 _IN_PROCESS_BACKENDS = (None, "uni", EXTERNAL_LAUNCHER)
 _DEFAULT_CHUNK_BYTES = 1 << 29  # 512 MiB of tensors per collective_rpc call
-
-
-def vllm_unavailable_reason() -> str | None:
-    """Why the vLLM engine cannot run here (missing package or no CUDA GPU), or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return (
-            "vllm is not installed: install the extra with `pip install 'creditrl[vllm]'` "
-            "(vLLM needs a CUDA GPU)"
-        )
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM needs one"
-    return None
 
 
 # ---- engine construction (pure) ------------------------------------------------------------
@@ -273,7 +261,6 @@ def _weight_chunks(
         yield chunk
 
 
-@register_rollout_engine("vllm")
 class VLLMRolloutEngine(RolloutEngine):
     """Samples responses for a prompt Batch with vLLM, registered as ``rollout.engine=vllm``.
     It holds its own weights (pushed with ``update_weights``), and its log-probs come from

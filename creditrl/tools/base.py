@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from creditrl.core.registry import Registry
+from creditrl.registry import Registry
 
 __all__ = [
     "TOOL_FACTORIES",

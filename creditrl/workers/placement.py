@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from creditrl.batch import Batch
-from creditrl.config.checks import register_config_check
 from creditrl.errors import ConfigError
 from creditrl.workers.precision import resolve_autocast
 
@@ -150,22 +149,6 @@ def check_device(cfg: Any) -> None:
 def update_autocast(cfg: Any) -> str:
     """What ``actor.autocast`` resolves to for this config's update: 'bf16' or 'none'."""
     return resolve_autocast(cfg.actor.autocast, device_type(cfg))
-
-
-@register_config_check("sample_dtype_autocast", order=90)
-def _check_sample_dtype(cfg: Any) -> None:
-    """A bf16 sampling copy only where the update runs in bf16 too (a config check, registered
-    with ``creditrl.config.checks``: the autocast is resolved here)."""
-    if (
-        cfg.rollout.engine_kwargs.get("sample_dtype") == "bfloat16"
-        and update_autocast(cfg) != "bf16"
-    ):
-        raise ConfigError(
-            "rollout.engine_kwargs.sample_dtype=bfloat16 samples from a bf16 copy whose "
-            "log-probs are not the update's, and actor.autocast resolves to none here (the "
-            "update would reuse them as old_log_probs): set actor.autocast=bf16 or "
-            "sample_dtype=model"
-        )
 
 
 def describe(cfg: Any) -> str:
