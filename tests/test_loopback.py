@@ -2,7 +2,6 @@
 Ray cluster (GCS, raylet, object manager, agents, workers) with its workers' process group, and
 the async learner ranks (their torch.distributed rendezvous, gloo, and the ZeroMQ socket)."""
 
-import ipaddress
 import os
 import subprocess
 import sys
@@ -14,16 +13,8 @@ import pytest
 from helpers import tiny_trainer_config
 
 from creditrl.asynchronous.launcher import free_port
+from creditrl.hosts import is_loopback
 from creditrl.models.tiny import tiny_model_dir
-from creditrl.workers.distributed import is_loopback
-
-
-def loopback(ip: str) -> bool:
-    """127.0.0.0/8, ::1, and IPv4-mapped loopback (::ffff:127.0.0.1: an IPv6 socket bound to
-    127.0.0.1, as gRPC does)."""
-    address = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def listening(pids: set[int]) -> list[tuple[str, int, int, str]]:
@@ -46,9 +37,11 @@ def tree(pid: int) -> set[int]:
 
 
 def test_loopback_helpers() -> None:
-    """The address checks used here and by the rendezvous."""
-    assert loopback("127.0.0.1") and loopback("::1") and loopback("::ffff:127.0.0.1")
-    assert not loopback("0.0.0.0") and not loopback("::") and not loopback("192.0.2.2")
+    """The address check used here (on what psutil reports: IPv4-mapped loopback is an IPv6
+    socket bound to 127.0.0.1, as gRPC does) and by the rendezvous; every case is pinned in
+    tests/test_hosts.py."""
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.0.2.2")
     assert is_loopback("localhost") and is_loopback("[::1]") and is_loopback("127.0.0.2")
     assert not is_loopback("10.0.0.1") and not is_loopback("node-3")
 
@@ -70,7 +63,7 @@ def test_local_ray_cluster_and_its_workers_listen_on_loopback_only(tmp_path: Pat
         names = {name for *_, name in found}
         assert {"gcs_server", "raylet"} <= names, found
         assert set(group.pids) <= {pid for _, _, pid, _ in found}, found
-        assert [f for f in found if not loopback(f[0])] == []
+        assert [f for f in found if not is_loopback(f[0])] == []
     finally:
         group.shutdown()
         ray.shutdown()
@@ -109,7 +102,7 @@ def test_async_learner_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
         ports = {port for _, port, _, _ in found}
         assert {port, dist_port} <= ports, found
         assert {pid for _, _, pid, _ in found} == {p.pid for p in procs}, found
-        assert [f for f in found if not loopback(f[0])] == []
+        assert [f for f in found if not is_loopback(f[0])] == []
     finally:
         for p in procs:
             p.terminate()

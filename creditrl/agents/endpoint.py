@@ -46,6 +46,7 @@ from aiohttp import web
 
 from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.errors import ConfigError
+from creditrl.hosts import unbracketed, url_host
 
 __all__ = ["MAX_BODY_BYTES", "REQUEST_LIMITS", "Endpoint", "EndpointError"]
 
@@ -142,7 +143,7 @@ class Endpoint:
         self.handler = handler
         self.known = known
         self.model_name = model_name
-        self.host = host
+        self.host = unbracketed(host)  # [::1] binds as ::1
         self.port = port
         self.key = secrets.token_urlsafe(24)
         self.refused: Counter[str] = Counter()
@@ -160,8 +161,7 @@ class Endpoint:
 
     def base_url(self, trajectory: str) -> str:
         """The OpenAI base URL of one trajectory."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/t/{trajectory}/v1"
+        return f"http://{url_host(self.host)}:{self.port}/t/{trajectory}/v1"
 
     def start(self) -> None:
         self._thread.start()

@@ -36,7 +36,7 @@ from typing import Any
 
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
-from creditrl.asynchronous.transport import endpoint, is_loopback
+from creditrl.asynchronous.transport import endpoint
 from creditrl.config import Config
 from creditrl.config.loader import from_dict, to_dict
 from creditrl.controller.placement import (
@@ -46,6 +46,7 @@ from creditrl.controller.placement import (
     remove_placement,
 )
 from creditrl.errors import ConfigError, UserError
+from creditrl.hosts import is_loopback
 from creditrl.plain_text import as_markup, as_text, plain
 
 __all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]

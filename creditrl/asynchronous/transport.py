@@ -21,7 +21,6 @@ address without CURVE is refused unless ``allow_insecure`` is set.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import shutil
 import time
@@ -36,28 +35,17 @@ from creditrl.asynchronous.messages import Message, MessageError, check_sampler_
 from creditrl.asynchronous.validation import DEFAULT_JSON_LIMITS
 from creditrl.bounded_json import JsonLimits
 from creditrl.config.schema import AsyncConfig
+from creditrl.hosts import is_loopback, url_host
 
-__all__ = ["LearnerSocket", "SamplerSocket", "endpoint", "is_loopback", "make_curve_keys"]
+__all__ = ["LearnerSocket", "SamplerSocket", "endpoint", "make_curve_keys"]
 
 log = logging.getLogger(__name__)
 _MAX_FRAMES = 3  # PROTOCOL, header, payload: the most frames a message has (after the identity)
 
 
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def endpoint(host: str, port: int) -> str:
     """``tcp://host:port`` (IPv6 addresses in brackets)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
+    return f"tcp://{url_host(host)}:{port}"
 
 
 def make_curve_keys(directory: str | Path) -> Path:

@@ -15,7 +15,6 @@ docs/tinker.md for what is supported.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import secrets
 import threading
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from creditrl.errors import UserError
+from creditrl.hosts import is_loopback
 from creditrl.plain_text import as_text
 
 
@@ -37,13 +37,6 @@ def _models(items: list[str]) -> dict[str, str]:
     return models
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def run(args: argparse.Namespace, console: Console) -> int:
     """Handle ``creditrl serve-tinker``: serve until interrupted."""
     from creditrl.tinker.server import TinkerServer
@@ -54,7 +47,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         torch.set_num_threads(args.threads)
     api_key = args.api_key
-    if api_key is None and not _loopback(args.host):
+    if api_key is None and not is_loopback(args.host):
         api_key = f"tml-{secrets.token_urlsafe(24)}"
     settings = Settings(
         out_dir=Path(args.out),

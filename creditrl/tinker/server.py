@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
+from creditrl.hosts import unbracketed, url_host
 from creditrl.tinker.futures import Failure, ProtoResult
 from creditrl.tinker.messages import BadRequest, parse_forward_backward
 from creditrl.tinker.service import Service, Settings
@@ -73,7 +74,7 @@ class TinkerServer:
         self, settings: Settings, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None
     ) -> None:
         self.settings = settings
-        self.host, self.port, self.api_key = host, port, api_key
+        self.host, self.port, self.api_key = unbracketed(host), port, api_key  # [::1]: ::1
         self.loop = asyncio.new_event_loop()
         self.service = Service(settings, self.loop)
         self.refused = 0
@@ -82,8 +83,7 @@ class TinkerServer:
 
     @property
     def base_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()

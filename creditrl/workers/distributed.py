@@ -10,7 +10,6 @@ address (see ``init_process_group``). Collectives time out after the ``timeout_s
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from creditrl.batch import Batch
+from creditrl.hosts import is_loopback, unbracketed
 
 __all__ = [
     "all_reduce_gradients",
@@ -28,21 +28,10 @@ __all__ = [
     "destroy_process_group",
     "init_process_group",
     "is_distributed",
-    "is_loopback",
     "rank",
     "scatter_batches",
     "world_size",
 ]
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _loopback_interface() -> str | None:
@@ -110,9 +99,9 @@ def init_process_group(
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         if rank == 0:
-            listen_fd = _listen(host.strip("[]"), master_port)
+            listen_fd = _listen(unbracketed(host), master_port)
     store = dist.TCPStore(
-        host.strip("[]"),
+        unbracketed(host),
         master_port,
         world_size,
         rank == 0,
