@@ -114,7 +114,7 @@ def data_sources(cfg: DataConfig) -> Sources:
 def _check_scorers(cfg: Config, sources: Sources) -> None:
     """Load and signature-check the scorer of every data_source (or ``reward.scorer``)."""
     from creditrl.agents.rewards import STRUCTURED_SCORERS, structured_scorer_for
-    from creditrl.pipeline.plan import structured_reward
+    from creditrl.workers.plan import structured_reward
 
     reward = cfg.reward
     structured = structured_reward(cfg)

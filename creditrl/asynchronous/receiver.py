@@ -43,10 +43,10 @@ from creditrl.asynchronous.transport import LearnerSocket
 from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.batch import Batch
 from creditrl.config import Config
-from creditrl.pipeline.plan import structured_reward
 from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper
+from creditrl.workers.plan import structured_reward
 
 __all__ = ["AsyncRolloutDumper", "GroupReceiver"]
 

@@ -106,8 +106,8 @@ def max_buffered_bytes(cfg: Config) -> int:
 def check_async_config(cfg: Config) -> None:
     """ValueError naming the keys for settings the async pair cannot honour (single keys'
     choices and ranges are checked when the config is loaded)."""
-    from creditrl.pipeline import Plan
     from creditrl.rollout import check_rollout_engine
+    from creditrl.workers.plan import Plan
 
     a = cfg.asynchronous
 

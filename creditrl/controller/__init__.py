@@ -19,7 +19,7 @@ def build_worker_group(cfg: Config) -> WorkerGroup:
         return LocalWorkerGroup(cfg)
     if cfg.trainer.backend == "ray":
         from creditrl.controller.ray_group import RayWorkerGroup, RoutedWorkerGroup
-        from creditrl.pipeline.plan import Plan
+        from creditrl.workers.plan import Plan
 
         separate = cfg.trainer.critic_placement == "separate" and Plan.from_config(cfg).needs_critic
         if not separate:

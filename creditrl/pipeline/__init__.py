@@ -1,5 +1,2 @@
-"""The step pipeline: what a config needs built (``plan``) and the stages over a Batch."""
-
-from creditrl.pipeline.plan import Plan
-
-__all__ = ["Plan"]
+"""The step pipeline: the stages over a Batch (which of them run: the config's ``Plan``,
+``creditrl.workers.plan``)."""

@@ -28,11 +28,11 @@ from creditrl.config import AlgorithmConfig, Config
 from creditrl.core import get_kl_controller
 from creditrl.data import collate_prompts
 from creditrl.pipeline import stages
-from creditrl.pipeline.plan import Plan, structured_reward
 from creditrl.rollout import rollout_log_probs_are_actors
 from creditrl.tracking import Timer
 from creditrl.workers.hybrid import PREFILL_FIELD
 from creditrl.workers.placement import placement_for, update_autocast
+from creditrl.workers.plan import Plan, structured_reward
 
 __all__ = [
     "StepPipeline",

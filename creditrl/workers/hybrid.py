@@ -40,7 +40,6 @@ from creditrl.models import (
     load_tokenizer,
     resolve_model_path,
 )
-from creditrl.pipeline.plan import Plan
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.rollout.strategies import build_rollout
 from creditrl.tracking.mfu import device_peak_flops, mfu_metrics, parameter_counts
@@ -51,6 +50,7 @@ from creditrl.workers.device_memory import StageMemory
 from creditrl.workers.distributed import all_reduce_sum, rank, world_size
 from creditrl.workers.parallel import full_state_dict, shard_model
 from creditrl.workers.placement import Placement, placement_for, to_cpu
+from creditrl.workers.plan import Plan
 
 __all__ = ["ADDITIVE_METRICS", "PREFILL_FIELD", "ROLES", "HybridWorker"]
 

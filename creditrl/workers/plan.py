@@ -1,5 +1,9 @@
 """Which models and stages a config needs, derived from what its registered estimator declares
-(``creditrl.core.register_adv_est(..., requires=...)``): no module decides by a name."""
+(``creditrl.core.register_adv_est(..., requires=...)``): no module decides by a name.
+
+Read by the workers and worker groups (which models to build), the step pipeline (which stages
+to run), the async sampler and learner and the preflight, so it stands in the lowest of those
+layers; it reads only the config, the core's registries and the rollout strategy's traits."""
 
 from __future__ import annotations
 
