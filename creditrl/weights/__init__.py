@@ -1,0 +1,49 @@
+"""One weight channel: how a policy's weights reach whoever samples with them, by version.
+
+Every side uses ``WeightChannel`` (``creditrl.weights.channel``: ``publish``, ``newest``,
+``load`` / ``load_folder``, ``attach`` + ``refresh``, and ``version``, the one place a process
+holds the version its sampling weights are). The implementations:
+
+- ``InProcessChannel``: trainer and engine in one process. ``creditrl train``'s hybrid worker
+  publishes after every actor update (a new version) and its engine takes the weights at once
+  (``HybridWorker.sync_rollout_weights``); the async learner's version is its worker's.
+- ``FolderChannel`` (``creditrl.weights.folder``): the async learner publishes ``vNNNNNNNN/``
+  folders and a ``latest`` pointer under ``asynchronous.weight_dir``; samplers poll and load
+  (between batches, between partial-rollout chunks, before every agent turn).
+- A wire channel (to come: ``creditrl/weights/wire.py``) would carry the weights over the
+  samplers' ZeroMQ socket instead of a shared folder: ``publish`` sends the
+  ``publishable_state`` as safetensors frames, ``newest`` is the version the learner last
+  announced (every ack carries ``weight_version``), ``load`` applies the received tensors
+  (``apply_state``). Nothing else changes: the sampler, the turn generator and the partial
+  rollout already hold only a ``WeightChannel``.
+
+This package is ground floor: torch, safetensors and the shared modules (``bounded_json``,
+``errors``, the run lock), never the async, agents, rollout or pipeline layers.
+"""
+
+from creditrl.weights.channel import InProcessChannel, WeightChannel
+from creditrl.weights.folder import FolderChannel, WeightPublisher, WeightSubscriber
+from creditrl.weights.tensors import (
+    LORA_SYNC,
+    apply_state,
+    load_tensors,
+    merged_state_dict,
+    publishable_state,
+    save_tensors,
+    snapshot_tensors,
+)
+
+__all__ = [
+    "LORA_SYNC",
+    "FolderChannel",
+    "InProcessChannel",
+    "WeightChannel",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "apply_state",
+    "load_tensors",
+    "merged_state_dict",
+    "publishable_state",
+    "save_tensors",
+    "snapshot_tensors",
+]

@@ -1,0 +1,128 @@
+"""What a weight channel carries: a model's tensors by kind, their snapshot, their file form,
+and loading them into a model.
+
+A publication is ``(kind, tensors)`` (``publishable_state``): ``full`` (a plain model's state
+dict), ``merged`` (a LoRA model's base weights with each adapter's delta W + (alpha/r) B A
+added: load it into a plain model) or ``adapter`` (the LoRA adapter tensors alone: load it into
+a model with the same LoRA wrapping); ``apply_state`` loads one, refusing a kind that does not
+fit the model. Tied tensors (``lm_head.weight`` = ``model.embed_tokens.weight``) are stored
+once (``snapshot_tensors``); their aliases are recorded in the safetensors metadata.
+safetensors + JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "LORA_SYNC",
+    "apply_state",
+    "is_peft",
+    "load_tensors",
+    "merged_state_dict",
+    "publishable_state",
+    "save_tensors",
+    "snapshot_tensors",
+]
+
+LORA_SYNC = ("merged", "adapter")
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    """True for a peft (LoRA) model."""
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain-model state dict of a LoRA (peft) model with its active adapters merged:
+    W' = W + get_delta_weight = W + (alpha / r) B A for each adapted linear. The training
+    model is not modified."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" not in key:
+            out[key.replace(".base_layer.", ".")] = value.detach()
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = f"{name}.weight"
+                    out[weight] = out[weight] + module.get_delta_weight(adapter).to(out[weight])
+    return out
+
+
+def publishable_state(model: torch.nn.Module, lora_sync: str) -> tuple[str, dict[str, Any]]:
+    """(kind, tensors) to publish for ``model``: ``full`` for a plain model; for a peft model
+    ``merged`` or ``adapter`` as ``lora_sync`` says."""
+    if not is_peft(model):
+        return "full", {k: v.detach() for k, v in model.state_dict().items()}
+    if lora_sync not in LORA_SYNC:
+        raise ValueError(f"asynchronous.lora_sync must be one of {LORA_SYNC}, got {lora_sync!r}")
+    if lora_sync == "merged":
+        return "merged", merged_state_dict(model)
+    from peft import get_peft_model_state_dict
+
+    return "adapter", {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+@torch.no_grad()
+def apply_state(model: torch.nn.Module, kind: str, tensors: dict[str, Any], where: Any) -> None:
+    """Load a publication of ``kind`` into ``model`` (strict); ``where`` (its folder, or what
+    else it came from) names it in the errors: adapters into a model without LoRA, full or
+    merged weights into a LoRA model, adapter keys the model does not have."""
+    if kind == "adapter":
+        if not is_peft(model):
+            raise TypeError(f"{where} holds LoRA adapters but the sampler model has no LoRA")
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, tensors)
+        if result.unexpected_keys:
+            raise KeyError(f"{where}: adapter keys unknown here: {result.unexpected_keys}")
+        return
+    if is_peft(model):
+        raise TypeError(f"{where} holds {kind} weights: load them into a plain model")
+    model.load_state_dict(tensors, strict=True)
+
+
+def snapshot_tensors(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(fresh contiguous CPU copies, aliases): tensors sharing memory are copied once and the
+    other names recorded as ``{alias: stored name}``."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
+    for key, value in tensors.items():
+        ident = (value.data_ptr(), tuple(value.shape), value.dtype)
+        if ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        stored[key] = value.detach().to("cpu", copy=True).contiguous()
+    return stored, aliases
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` as safetensors, tensors that share memory once (aliases in the
+    metadata)."""
+    stored, aliases = snapshot_tensors(tensors)
+    save_file(stored, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Inverse of ``save_tensors`` (aliases point at the same tensor)."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for alias, target in aliases.items():
+        tensors[alias] = tensors[target]
+    return tensors
