@@ -14,6 +14,7 @@ notices to print. Checks that need the tokenizer
 
 from __future__ import annotations
 
+from creditrl.config.agent_task import is_agent_task
 from creditrl.config.schema import Config, DataConfig
 from creditrl.data.builders import validation_notice
 from creditrl.data.rows import read_rows_from_files
@@ -78,11 +79,7 @@ def check_models(cfg: Config) -> None:
 
 
 def _uses_tools(cfg: Config) -> bool:
-    from creditrl.agents.tasks import AGENT_TASKS
-
-    return strategy_traits(cfg).uses_tools or (
-        cfg.data.task in AGENT_TASKS and not cfg.data.train_files
-    )
+    return strategy_traits(cfg).uses_tools or is_agent_task(cfg.data)
 
 
 def data_sources(cfg: DataConfig) -> Sources:
@@ -92,8 +89,6 @@ def data_sources(cfg: DataConfig) -> Sources:
     read and validated (DataError naming file and row); a built-in task contributes the
     data_source its rows get.
     """
-    from creditrl.agents.tasks import AGENT_TASKS
-
     sources: Sources = {}
     if cfg.train_files:
         for key, paths, limit in (
@@ -104,7 +99,7 @@ def data_sources(cfg: DataConfig) -> Sources:
             for row in read_rows_from_files(paths, None, key, max_rows, f"data.{limit}"):
                 sources.setdefault(row.data_source, (key, row.source))
     elif cfg.task:
-        source = cfg.task if cfg.task in AGENT_TASKS else f"reasoning_gym/{cfg.task}"
+        source = cfg.task if is_agent_task(cfg) else f"reasoning_gym/{cfg.task}"
         sources[source] = ("data.task", f"data.task={cfg.task!r}")
     else:
         raise ConfigError("no data: set data.task (a reasoning-gym name) or data.train_files")

@@ -1,6 +1,6 @@
 """Whether a config's prompts are an agent task's (``data.task`` names one registered with
-``creditrl.agents.tasks.register_agent_task``, and no ``data.train_files`` replace it): decided
-here once for the datasets a run builds, its preflight, its distillation check and
+``creditrl.agents.registries.register_agent_task``, and no ``data.train_files`` replace it):
+decided here once for the datasets a run builds, its preflight, its distillation check and
 ``creditrl check-tokenization``. The registry is found by its kind in the ground-floor
 ``creditrl.registry`` (``creditrl.catalog`` makes every registry), so ``creditrl.config``
 imports no registry's layer."""

@@ -25,6 +25,7 @@ import torch
 
 from creditrl.batch import Batch
 from creditrl.config import AlgorithmConfig, Config
+from creditrl.config.agent_task import is_agent_task
 from creditrl.core import get_kl_controller
 from creditrl.data import collate_prompts
 from creditrl.pipeline import stages
@@ -56,7 +57,7 @@ def sampled_temperature(batch: Batch, cfg: Config) -> float:
 def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
     """(train, validation) datasets of ``cfg``: an environment's (``env.verifiers``,
     ``env.openenv``), an agent task's, or the data section's."""
-    from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
+    from creditrl.agents.tasks import build_agent_datasets
     from creditrl.data import build_datasets
 
     if cfg.env.verifiers is not None:
@@ -67,7 +68,7 @@ def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         from creditrl.environments.openenv import environment_datasets as openenv_datasets
 
         return openenv_datasets(cfg, tokenizer)
-    if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
+    if is_agent_task(cfg.data):
         return build_agent_datasets(cfg, tokenizer)
     return build_datasets(cfg.data, tokenizer, cfg.distill)
 
