@@ -8,9 +8,25 @@ import torch
 from creditrl.agents.chat import ChatFormat
 from creditrl.agents.drift import check_batch, first_divergence, retokenize_check, template_check
 from creditrl.cli import main
-from creditrl.commands.check_tokenization import demo_batch
+from creditrl.commands.check_tokenization import demo_batch, demo_scripts
 from creditrl.models import load_tokenizer
 from creditrl.models.tiny import tiny_model_dir
+from creditrl.rollout import StrategyTraits, register_rollout_strategy
+
+SCRIPTED: list = []  # the rollouts the scripted strategy built
+
+
+@register_rollout_strategy("test_scripted_drift", StrategyTraits(multi_turn=True, uses_tools=True))
+def scripted_drift(engine, tokenizer, cfg):
+    """The demo's two forced trajectories (one with a non-canonical "<think>") as a registered
+    rollout strategy around the run's engine."""
+    from creditrl.agents.rollout import AgentRollout
+    from creditrl.agents.scripted import ScriptedTurnGenerator
+
+    turns = ScriptedTurnGenerator(demo_scripts(tokenizer), [tokenizer.eos_token_id])
+    rollout = AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout, turn_generator=turns)
+    SCRIPTED.append(rollout)
+    return rollout
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +115,7 @@ def test_check_tokenization_cli_with_a_model(capsys) -> None:
         "data.val_size=1",
         "data.system_prompt=Use the calculator.",
         "rollout.max_response_length=12",
+        "agent.enable=true",
         "agent.max_tokens_per_turn=6",
         "--rows",
         "3",
@@ -107,3 +124,35 @@ def test_check_tokenization_cli_with_a_model(capsys) -> None:
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "tokenization/checked: 3" in out and "tokenization/template_checked: 3" in out
+
+
+CALC = [
+    f"model.path={tiny_model_dir()}", "data.task=calc_multiturn", "data.train_size=4",
+    "data.val_size=1", "data.system_prompt=Use the calculator.", "agent.tools=[calculator]",
+]  # fmt: skip
+
+
+def test_check_tokenization_runs_the_rollout_strategy_the_run_selects(capsys) -> None:
+    """check-tokenization builds the run's rollout (``rollout.strategy``, as the trainer and
+    the async sampler do) over the run's datasets: a registered strategy forcing one canonical
+    and one non-canonical trajectory is what it checks (before, it always ran the built-in
+    agent loop over the engine's own samples)."""
+    SCRIPTED.clear()
+    args = ["check-tokenization", *CALC, "rollout.strategy=test_scripted_drift",
+            "rollout.max_response_length=256", "--rows", "2"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert len(SCRIPTED) == 1
+    assert "tokenization/retokenize_mismatch_rate: 0.5" in out, out
+    assert "'th', 'ink', '>'" in out
+    rollout = SCRIPTED[0]
+    first = rollout.tokenizer.decode(rollout.turns.requests[0].ids)
+    assert "Use the calculator." in first and "What is" in first  # a calc_multiturn row
+
+
+def test_check_tokenization_refuses_a_single_turn_run(capsys) -> None:
+    """A config whose run samples one answer per prompt (agent.enable=false and no program
+    or environment) has no multi-turn trajectory to check: one line, not the agent loop."""
+    assert main(["check-tokenization", *CALC]) == 2
+    out = capsys.readouterr().out
+    assert "rollout strategy is single_turn" in out and "agent.enable=true" in out

@@ -3,9 +3,11 @@
     creditrl check-tokenization [CONFIG.yaml] [key=value ...] [--rows N] [--greedy] [--strict]
     creditrl check-tokenization --demo [--strict]
 
-The first form runs the agent loop (``agent.*`` settings: tools, turns) with the configured
-model on the first ``--rows`` prompts of the dataset (``data.*``; agent tasks included) and
-checks every trajectory: re-tokenization (``encode(decode(ids)) == ids``) and template
+The first form rolls out the first ``--rows`` training prompts of the run (its datasets: the
+data section's, an agent task's or an environment's) as its trainer would (the engine
+``rollout.engine`` names, with the selected rollout strategy around it: the agent loop with its
+``agent.*`` settings, ``agent.program``, or an environment; a single-turn config is refused)
+and checks every trajectory: re-tokenization (``encode(decode(ids)) == ids``) and template
 (``chat template over the final messages == accumulated ids``). ``--demo`` needs no model: it
 forces two calculator trajectories through the loop, one canonical and one whose answer turn
 writes "<think>" as the non-canonical ids "<", "th", "ink", ">", and checks both. Each
@@ -25,7 +27,7 @@ from rich.text import Text
 
 from creditrl.plain_text import as_text
 
-__all__ = ["demo_batch", "register", "run"]
+__all__ = ["demo_batch", "demo_scripts", "register", "run"]
 
 
 def _describe(found: Any) -> Text:
@@ -38,6 +40,21 @@ def _describe(found: Any) -> Text:
         ("mismatch", "red"),
         as_text(f" at id {found['index']}: {found[a][:4]} vs {found[b][:4]}"),
     )
+
+
+def demo_scripts(tokenizer: Any) -> list[list[list[int]]]:
+    """The demo's two trajectories as model turns (ids): a calculator call, then the answer
+    written canonically, or with "<think>" as the non-canonical ids "<", "th", "ink", ">"."""
+    eos = tokenizer.eos_token_id
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>'
+    turn1 = [*tokenizer.encode(call, add_special_tokens=False), eos]
+    canonical = [*tokenizer.encode("<think>easy</think><answer>84</answer>"), eos]
+    vocab = tokenizer.get_vocab()
+    pieces = ["<", "th", "ink", ">"]
+    if not all(p in vocab for p in pieces):
+        raise ValueError(f"this tokenizer lacks one of {pieces}; the demo needs them")
+    odd = [vocab[p] for p in pieces] + tokenizer.encode("easy</think><answer>84</answer>")
+    return [[turn1, canonical], [turn1, [*odd, eos]]]
 
 
 def demo_batch(tokenizer: Any) -> Any:
@@ -59,45 +76,47 @@ def demo_batch(tokenizer: Any) -> Any:
         "extra_info": {},
         "index": 0,
     }
-    eos = tokenizer.eos_token_id
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>'
-    turn1 = [*tokenizer.encode(call, add_special_tokens=False), eos]
-    canonical = [*tokenizer.encode("<think>easy</think><answer>84</answer>"), eos]
-    vocab = tokenizer.get_vocab()
-    pieces = ["<", "th", "ink", ">"]
-    if not all(p in vocab for p in pieces):
-        raise ValueError(f"this tokenizer lacks one of {pieces}; the demo needs them")
-    odd = [vocab[p] for p in pieces] + tokenizer.encode("easy</think><answer>84</answer>")
-    scripts = [[turn1, canonical], [turn1, [*odd, eos]]]
     rollout = AgentRollout(
         None,
         tokenizer,
         AgentConfig(enable=True, tools=["calculator"]),
         RolloutConfig(max_response_length=256),
-        turn_generator=ScriptedTurnGenerator(scripts, [eos]),
+        turn_generator=ScriptedTurnGenerator(demo_scripts(tokenizer), [tokenizer.eos_token_id]),
     )
     return rollout.generate(collate_prompts([row, row], tokenizer.pad_token_id)), rollout
 
 
 def _model_batch(cfg: Any, rows: int, greedy: bool) -> tuple[Any, Any]:
-    from creditrl.agents.rollout import AgentRollout
-    from creditrl.agents.tasks import AGENT_TASKS, build_agent_datasets
-    from creditrl.data import build_datasets, collate_prompts
-    from creditrl.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from creditrl.rollout import HFRolloutEngine
+    """The first ``rows`` training prompts of the run ``cfg`` describes, rolled out as its
+    trainer would: its datasets (``build_run_datasets``: an environment's, an agent task's or
+    the data section's) and a rollout-only worker's engine with the selected rollout strategy
+    around it (``HybridWorker``: ``rollout.engine``, ``rollout.strategy``, ``agent.program``,
+    ``env.*``); with the chat format its drift checks use."""
+    from creditrl.agents.hooks import chat_format
+    from creditrl.data import collate_prompts
+    from creditrl.errors import ConfigError
+    from creditrl.pipeline.step import build_run_datasets
+    from creditrl.rollout.strategies import rollout_strategy, strategy_traits
+    from creditrl.workers.hybrid import HybridWorker
 
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    tokenizer = load_tokenizer(path)
-    if cfg.data.task in AGENT_TASKS and not cfg.data.train_files:
-        train, _ = build_agent_datasets(cfg, tokenizer)
-    else:
-        train, _ = build_datasets(cfg.data, tokenizer)
-    picked = [train[i] for i in range(min(rows, len(train)))]
-    model = load_causal_lm(path, cfg.model.dtype).eval()
-    engine = HFRolloutEngine(model, tokenizer, cfg.rollout, seed=cfg.trainer.seed)
-    rollout = AgentRollout(engine, tokenizer, cfg.agent, cfg.rollout)
-    prompts = collate_prompts(picked, tokenizer.pad_token_id)
-    return rollout.generate(prompts, greedy=greedy), rollout
+    if not strategy_traits(cfg).multi_turn:
+        raise ConfigError(
+            "check-tokenization checks multi-turn trajectories, but this config's rollout "
+            f"strategy is {rollout_strategy(cfg)} (its run samples one answer per prompt); set "
+            "agent.enable=true (or agent.program, env.verifiers, env.openenv) to check the "
+            "trajectories such a run samples"
+        )
+    worker = HybridWorker(cfg, roles=("rollout",), with_teacher=False)
+    try:
+        train, _ = build_run_datasets(cfg, worker.tokenizer)
+        picked = [train[i] for i in range(min(rows, len(train)))]
+        prompts = collate_prompts(picked, worker.tokenizer.pad_token_id)
+        batch = worker.generate(prompts, greedy=greedy)
+    finally:
+        close = getattr(worker.rollout, "close", None)  # agent.program, env.*: the endpoint
+        if close is not None:
+            close()
+    return batch, chat_format(worker.tokenizer, cfg.agent.tool_role)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -116,9 +135,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.demo:
         path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         batch, rollout = demo_batch(load_tokenizer(path))
+        chat = rollout.loop.chat
     else:
-        batch, rollout = _model_batch(cfg, args.rows, args.greedy)
-    metrics, reports = check_batch(batch, rollout.loop.chat)
+        batch, chat = _model_batch(cfg, args.rows, args.greedy)
+    metrics, reports = check_batch(batch, chat)
     table = Table(title="tokenization drift (spec 004)")
     for column in ("row", "turns", "tool calls", "re-tokenization", "template"):
         table.add_column(column, overflow="fold")
