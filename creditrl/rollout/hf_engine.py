@@ -49,15 +49,15 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from creditrl.batch import Batch, assemble_rollout_batch, position_ids_from_mask
-from creditrl.config.options import Option
 from creditrl.config.schema import RolloutConfig
 from creditrl.models.token_tree import token_trie, tree_attention_mask, tree_pays, tree_unsupported
 from creditrl.rollout import cpu_kernels
 from creditrl.rollout.cpu_kernels import weight_major_linears
 from creditrl.rollout.cuda_graph import StaticDecoder, static_decode_unsupported
-from creditrl.rollout.engine import EngineArgs, RolloutEngine, register_rollout_engine
+from creditrl.rollout.engine import EngineArgs, RolloutEngine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
+from creditrl.rollout.registries import DECODE_CACHE, SAMPLE_DTYPE
 from creditrl.rollout.sample_buffers import SampleBuffers
 from creditrl.rollout.sampler_copy import SamplerCopy
 from creditrl.rollout.sampling import (
@@ -90,34 +90,11 @@ FAST_DECODE = True
 # prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
 
-DECODE_CACHE = Option(
-    "decode_cache",
-    "auto",
-    "'static': decode from a preallocated KV cache, captured as a CUDA graph on CUDA (eager on "
-    "the CPU); 'dynamic': finished rows leave the cache; 'auto': static for CUDA models that "
-    "allow it. 'static' with agent.keep_kv_cache is refused",
-    choices=("auto", "static", "dynamic"),
-)
-"""The engine's option ``rollout.engine_kwargs.decode_cache`` (``rollout.cuda_graph``)."""
-
-SAMPLE_DTYPE = Option(
-    "sample_dtype",
-    "model",
-    "'model': sample with the actor's module as it is (its log-probs are the actor's); "
-    "'bfloat16': with a bf16 copy refreshed in place before each call (half the bytes a decode "
-    "step reads; its log-probs are the copy's, so it needs the update under bf16 autocast, "
-    "where old_log_probs are recomputed)",
-    choices=("model", "bfloat16"),
-)
-"""The engine's option ``rollout.engine_kwargs.sample_dtype`` (``rollout.sampler_copy``)."""
-
-
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Rows that are the same prompt (same real tokens, same padding) get equal keys."""
     return input_ids.masked_fill(attention_mask == 0, -1)
 
 
-@register_rollout_engine("hf")
 class HFRolloutEngine(RolloutEngine):
     """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine),
     registered as ``rollout.engine=hf``. It samples with the module it is given
