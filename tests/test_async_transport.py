@@ -12,6 +12,7 @@ import pytest
 from helpers import synthetic_group
 
 import creditrl.asynchronous as async_pkg
+import creditrl.weights as weights_pkg
 from creditrl.asynchronous.messages import (
     PROTOCOL,
     MessageError,
@@ -51,12 +52,13 @@ def test_group_round_trip_and_ack_over_loopback(pair) -> None:
 
 
 def test_wire_path_never_pickles(tmp_path: Path) -> None:
-    """Statically: no module of the package mentions pickle or pickle-based APIs. Dynamically:
-    with pickle, torch.save and torch.load poisoned, a group crosses a real socket and a weight
-    version is published and loaded."""
+    """Statically: no module of the package or of the weight channel (``creditrl.weights``)
+    mentions pickle or pickle-based APIs. Dynamically: with pickle, torch.save and torch.load
+    poisoned, a group crosses a real socket and a weight version is published and loaded."""
     banned = {"pickle", "cPickle", "dill", "marshal", "send_pyobj", "recv_pyobj", "torch.save"}
     banned |= {"torch.load", "shelve"}
-    for path in Path(async_pkg.__file__).parent.glob("*.py"):
+    packages = (Path(async_pkg.__file__).parent, Path(weights_pkg.__file__).parent)
+    for path in (p for package in packages for p in package.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
@@ -72,7 +74,7 @@ def test_wire_path_never_pickles(tmp_path: Path) -> None:
         from helpers import synthetic_group
         from creditrl.asynchronous.messages import episodes_message
         from creditrl.asynchronous.transport import LearnerSocket, SamplerSocket
-        from creditrl.asynchronous.weights import WeightPublisher, WeightSubscriber
+        from creditrl.weights import WeightPublisher, WeightSubscriber
         from creditrl.config.schema import AsyncConfig
 
         def poisoned(*a, **k):

@@ -86,6 +86,7 @@ def test_async_ppo_critic_warmup_updates_only_the_critic_first(tmp_path: Path) -
     steps.append(_step(learner, _groups(4, learner.version)))
     learner.publisher.wait()
     assert "actor/pg_loss" in steps[-1]
+    assert learner.version == 3  # a version a step, the critic's alone too
     assert any(not torch.equal(v, before[k]) for k, v in actor.state_dict().items())
     for metrics in steps:
         assert {"critic/vf_loss", "critic/values/mean", "critic/vf_explained_var"} <= set(metrics)
@@ -99,6 +100,7 @@ def test_async_ppo_logs_the_training_half_keys_of_the_synchronous_trainer(tmp_pa
     try:
         trainer.step = 1
         sync = trainer.train_step()
+        assert trainer.workers.worker.weights.version == 1  # in process: an update, a version
     finally:
         trainer.close()
     learner = _learner(tmp_path / "async", *PPO)
@@ -168,6 +170,7 @@ def test_async_agent_step_logs_the_agent_keys_of_a_synchronous_step(tmp_path: Pa
     try:
         trainer.step = 1
         sync = trainer.train_step()
+        assert trainer.workers.worker.weights.version == 1  # in process: an update, a version
     finally:
         trainer.close()
     learner = _learner(tmp_path / "async", "preset=calculator_agent", "trainer.test_freq=0")

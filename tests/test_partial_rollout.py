@@ -38,6 +38,7 @@ from creditrl.inspect.from_run import views_from_run
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.rollout import HFRolloutEngine
 from creditrl.trainers.rl_trainer import RLTrainer
+from creditrl.weights import InProcessChannel
 from creditrl.workers import policy_forward
 from creditrl.workers.hybrid import HybridWorker
 
@@ -71,7 +72,7 @@ def test_chunks_without_a_switch_sample_what_one_call_samples(model, tokenizer):
     whole = engine(model, tokenizer, eos).generate(prompts())
     partial = PartialRollout(
         engine(model, tokenizer, eos), tokenizer, max_response_length=20, chunk_tokens=3,
-        refresh=lambda: 5,
+        weights=InProcessChannel(version=5),
     )  # fmt: skip
     out = partial.generate(prompts())
     assert torch.equal(out["responses"], whole["responses"])
@@ -98,16 +99,20 @@ def test_a_weight_update_mid_generation_switches_at_the_right_token(model, token
         for p in new.parameters():
             p.add_(0.05 * torch.randn_like(p))
     calls = []
+    channel = InProcessChannel()
+    channel.attach(policy)  # what the engine samples with
+    refresh = channel.refresh
 
-    def refresh() -> int:
+    def refreshed() -> bool:
         calls.append(len(calls))
         if len(calls) == 2:  # the learner published version 1 during the first chunk
-            policy.load_state_dict(new.state_dict())
-        return 0 if len(calls) < 2 else 1
+            channel.publish(new, 1)
+        return refresh()
 
+    channel.refresh = refreshed
     partial = PartialRollout(
         engine(policy, tokenizer, length=12), tokenizer, max_response_length=12,
-        chunk_tokens=4, refresh=refresh,
+        chunk_tokens=4, weights=channel,
     )  # fmt: skip
     out = partial.generate(prompts(repeat=1))
     assert out["responses"].shape == (3, 12) and bool(out["response_mask"].all())
@@ -134,9 +139,11 @@ def test_a_weight_update_mid_generation_switches_at_the_right_token(model, token
 
 def test_a_greedy_call_is_one_whole_engine_call(model, tokenizer):
     calls = []
+    channel = InProcessChannel()
+    channel.refresh = lambda: calls.append(1) or False
     partial = PartialRollout(
         engine(model, tokenizer), tokenizer, max_response_length=20, chunk_tokens=3,
-        refresh=lambda: calls.append(1) or 0,
+        weights=channel,
     )  # fmt: skip
     out = partial.generate(prompts(repeat=1), greedy=True)
     assert "token_weight_version" not in out and not calls
@@ -231,16 +238,21 @@ def test_between_two_turns_an_episode_takes_new_weights(tmp_path):
         model = worker.engine.model
         old = copy.deepcopy(model)
         calls = []
+        channel = InProcessChannel()
+        channel.attach(model)
+        refresh = channel.refresh
 
-        def refresh() -> int:
+        def refreshed() -> bool:
             calls.append(1)
             if len(calls) == 2:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.05 * torch.randn_like(p))
-            return 0 if len(calls) < 2 else 1
+                channel.publish(model, 1)  # trained in place: the engine's own module
+            return refresh()
 
-        worker.rollout.turns.refresh = refresh
+        channel.refresh = refreshed
+        worker.rollout.turns.weights = channel
         batch = worker.rollout.generate(chat_prompts(worker.tokenizer, QUESTIONS), seed=3)
     finally:
         worker.rollout.close()

@@ -1,23 +1,42 @@
 """The weight channel (``creditrl.weights``): publish a model's weights under a version, ask
 for the newest, load it into a model or hand an engine its folder; the version the sampling
-side holds lives in the channel.
+side holds lives in the channel, and the rollouts that sample read it there.
 
-Models: two small ``torch.nn`` stacks (different seeds, so a load is seen)."""
+Models: two small ``torch.nn`` stacks (different seeds, so a load is seen) and, for a consumer,
+the conftest's tiny Llama under the HF engine."""
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from creditrl.asynchronous.learner import Learner
+from creditrl.asynchronous.partial import PartialRollout
+from creditrl.asynchronous.sampler import Sampler
+from creditrl.batch import Batch, position_ids_from_mask
+from creditrl.config.schema import RolloutConfig
+from creditrl.rollout import HFRolloutEngine
+from creditrl.rollout.continuation import EngineTurnGenerator
 from creditrl.weights import FolderChannel, InProcessChannel, WeightChannel
 
 
 def _tiny(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _trained(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every weight moved: a newer version."""
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    return trained
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -99,3 +118,42 @@ def test_attach_names_what_refresh_loads(tmp_path: Path) -> None:
         assert _same(sampling, _tiny(0)) and not reader.refresh()
     finally:
         publisher.lock.release()
+
+
+def _prompts() -> Batch:
+    ids = torch.tensor([[0, 1, 520, 9], [1, 12, 13, 14]])
+    mask = (ids != 0).long()
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+    )
+
+
+def test_the_version_is_held_once_and_seen_by_the_rollouts(tmp_path, model, tokenizer) -> None:
+    """One reader channel serves the partial rollout and the turn generator: neither keeps a
+    version of its own; the tokens sampled after a publication carry the channel's version,
+    and the engine samples with the published weights. The learner's and the sampler's
+    ``version`` are their channel's."""
+    root = tmp_path / "weights"
+    publisher = FolderChannel(root, publish=True)
+    reader = FolderChannel(root)
+    cfg = RolloutConfig(max_response_length=4, temperature=1.0, micro_batch_size=8)
+    engine = HFRolloutEngine(model, tokenizer, cfg, seed=0)
+    reader.attach(model)
+    partial = PartialRollout(
+        engine, tokenizer, max_response_length=4, chunk_tokens=2, weights=reader
+    )
+    turns = EngineTurnGenerator(engine, tokenizer)
+    turns.weights = reader
+    trained = _trained(model)
+    try:
+        publisher.publish(trained, 7)
+        out = partial.generate(_prompts())
+        assert torch.equal(out["token_weight_version"], out["response_mask"] * 7)
+        assert reader.version == 7 and _same(model, trained)
+        assert turns._refreshed() == 7  # the same channel, the same version
+        for consumer in (partial, turns):
+            assert "version" not in vars(consumer)
+    finally:
+        publisher.lock.release()
+    for owner in (Learner, Sampler):
+        assert isinstance(inspect.getattr_static(owner, "version"), property), owner

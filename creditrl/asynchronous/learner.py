@@ -14,8 +14,8 @@ samplers as its batch source. What is async, top to bottom of a step:
    (``old_log_probs=learner``, corrected by rollout importance weights pi_old / pi_behaviour
    when ``max_staleness`` > 0), reference and teacher log-probs unless the sampler sent them
    (``asynchronous.ref_on``, ``distill.teacher_on``: the learner then builds no teacher);
-3. ``after_update``: version += 1, publish the weights, acknowledge the groups (journaled
-   first); the step's metrics add ``async/*`` and the rollout dump per-sample staleness.
+3. ``after_update``: publish the step's version (held by the worker's weight channel), then
+   acknowledge the groups (journaled first); metrics add ``async/*``, the dump staleness.
 
 Resume: the model, optimizer, ledger and version come from the latest checkpoint; the
 acknowledgement journal tells how many episodes were trained after it (their updates are
@@ -38,14 +38,13 @@ from rich.console import Console
 
 from creditrl.asynchronous.ranks import check_replicas, scatter_groups, stop_on_every_rank
 from creditrl.asynchronous.receiver import AsyncRolloutDumper, GroupReceiver
-from creditrl.asynchronous.settings import check_async_config, teacher_on_sampler, weight_root
+from creditrl.asynchronous.settings import check_async_config, teacher_on_sampler, weight_channel
 from creditrl.asynchronous.staleness import (
     BufferedGroup,
     StalenessProgress,
     concat_groups,
     staleness_metrics,
 )
-from creditrl.asynchronous.weights import WeightPublisher
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.config.loader import to_dict
@@ -122,7 +121,7 @@ class Learner(GroupReceiver, TrainingLoop):
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.init_receiving(cfg, self.vocab_size, self.out, self.tokenizer)
         self.step = 0
-        self.version = 0
+        self.weights = self.workers.worker.weights  # the actor's channel: it holds the version
         self.val_before, self.val_latest = {}, {}
         self.resume_report: dict[str, int] = {}
         self.staleness: list[float] = []  # mean staleness of each step of this fit
@@ -130,7 +129,7 @@ class Learner(GroupReceiver, TrainingLoop):
         if self.main:
             prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
             self.out.mkdir(parents=True, exist_ok=True)
-            self.publisher = WeightPublisher(weight_root(cfg), a.keep_weight_versions, a.lora_sync)
+            self.publisher = weight_channel(cfg, publish=True)
             self.held.append(self.publisher.lock)  # released with the output folder
             self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
             self.dumper = AsyncRolloutDumper(
@@ -211,16 +210,15 @@ class Learner(GroupReceiver, TrainingLoop):
         runs it) on this rank's groups; returns the batch with every field it wrote, and the
         metrics. The first-mini-batch check holds when every row's ``old_log_probs`` are this
         policy's: recomputed here (``old_log_probs=learner``) or from on-policy rows."""
-        on_policy = self.cfg.asynchronous.old_log_probs == "learner" or not bool(
-            batch["staleness"].any()
-        )
-        keep = self.keep_rollout(batch)
-        return self.training.run(batch, self.step, timing, keep_rollout=keep, on_policy=on_policy)
+        on_policy = self.cfg.asynchronous.old_log_probs == "learner" or not batch["staleness"].any()
+        keep, version = self.keep_rollout(batch), self.version
+        out = self.training.run(batch, self.step, timing, keep_rollout=keep, on_policy=on_policy)
+        self.version = version + 1  # a step is a version, a critic warm-up step's too
+        return out
 
     def after_update(self, batch: Batch, whole: Batch | None, timing: dict[str, float]) -> None:
-        """version += 1; rank 0 publishes the weights (every ``publish_every`` versions and at
-        the last step) and acknowledges the trained groups."""
-        self.version += 1
+        """Rank 0 publishes the weights (every ``publish_every`` versions and at the last step)
+        and acknowledges the trained groups."""
         if not self.main:
             return
         last = self.step == self.cfg.trainer.total_steps
@@ -252,7 +250,7 @@ class Learner(GroupReceiver, TrainingLoop):
         if not self.main:
             return
         self.open_socket(self.port)
-        published = self.publisher.latest()
+        published = self.publisher.newest()
         if published is not None and published >= self.version:
             self.version = published + 1
             self.publisher.publish(self.actor.model, self.version)

@@ -1,9 +1,10 @@
 """Partial rollout: a sampler takes newer weights between decode chunks of one batch.
 
 ``PartialRollout.generate`` samples a batch of single-turn prompts in chunks of at most
-``chunk_tokens`` new tokens per row. Before each chunk it calls ``refresh()``, which loads the
-newest published weights when they are newer and returns the version the engine now samples
-with; the unfinished rows then continue on that version. Each response token records the
+``chunk_tokens`` new tokens per row. Before each chunk it refreshes its weight channel
+(``creditrl.weights``: ``weights.refresh()`` loads the newest published weights into the
+engine when they are newer), and the unfinished rows continue on the version the channel then
+holds (``weights.version``, the one place the version lives). Each response token records the
 version that sampled it (``token_weight_version``, (B, T) int64, 0 on padding), and its
 ``rollout_log_probs`` entry is that version's log-prob, so the learner's rollout importance
 weights pi_old / pi_behaviour use, token by token, the weights that produced the token.
@@ -22,7 +23,6 @@ chunks sample exactly the ids one whole ``generate`` call samples (the HF engine
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from creditrl.batch import Batch, assemble_rollout_batch
 from creditrl.rollout.continuation import left_padded
 from creditrl.rollout.sampling import advance_seed
 from creditrl.rollout.turn_cache import TurnKVCache
+from creditrl.weights import WeightChannel
 
 __all__ = ["PartialRollout", "group_versions"]
 
@@ -50,11 +51,11 @@ class _Row:
 
 
 class PartialRollout:
-    """Single-turn sampling in chunks with ``refresh()`` between them (module docstring).
+    """Single-turn sampling in chunks, the weights refreshed between them (module docstring).
 
     ``engine``: a ``creditrl.rollout.RolloutEngine``; ``max_response_length``: the tokens a
     response may take in all; ``chunk_tokens`` (>= 1): tokens per row per engine call;
-    ``refresh``: loads newer weights if any and returns the version sampled with from now on.
+    ``weights``: the sampler's weight channel, attached to what the engine samples with.
     ``last_stats`` (``prefill_tokens``, ``switches``: weight changes inside the latest batch,
     ``chunks``: engine calls) describes the latest ``generate``.
     """
@@ -66,11 +67,11 @@ class PartialRollout:
         *,
         max_response_length: int,
         chunk_tokens: int,
-        refresh: Callable[[], int],
+        weights: WeightChannel,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.engine, self.refresh = engine, refresh
+        self.engine, self.weights = engine, weights
         self.max_response_length, self.chunk_tokens = max_response_length, chunk_tokens
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
@@ -107,16 +108,13 @@ class PartialRollout:
             for i in range(len(prompts))
         ]
         stats = {"prefill_tokens": 0.0, "switches": 0.0, "chunks": 0.0}
-        version: int | None = None
         try:
             while live := [i for i, r in enumerate(rows) if not r.done]:
-                now = self.refresh()
-                if version is not None and now != version:
+                if self.weights.refresh() and stats["chunks"]:  # newer weights mid-batch
                     stats["switches"] += 1
                     if self.turn_cache is not None:
                         self.turn_cache.clear()  # recomputed under the new weights
-                version = now
-                self._chunk(rows, live, version, temperature, stats)
+                self._chunk(rows, live, self.weights.version, temperature, stats)
         finally:
             if self.turn_cache is not None:
                 self.turn_cache.clear()

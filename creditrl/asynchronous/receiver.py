@@ -46,6 +46,7 @@ from creditrl.config import Config
 from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper
+from creditrl.weights import WeightChannel
 from creditrl.workers.plan import structured_reward
 
 __all__ = ["AsyncRolloutDumper", "GroupReceiver"]
@@ -69,11 +70,20 @@ class AsyncRolloutDumper(RolloutDumper):
 
 class GroupReceiver:
     """The receiving side of the learner; it reads the learner's ``cfg``, ``step`` (the step
-    acknowledgements are journaled under) and ``version`` (the weights it trains)."""
+    acknowledgements are journaled under) and ``version`` (the weights it trains: those its
+    weight channel ``weights`` holds, the one place the version lives)."""
 
     cfg: Config
     step: int
-    version: int
+    weights: WeightChannel
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.weights.version = int(value)
 
     def init_receiving(
         self, cfg: Config, vocab_size: int, out: Any, tokenizer: Any | None = None

@@ -10,7 +10,9 @@ One batch of the loop, top to bottom (``Sampler.run``):
 2. load the newest published weights, if newer (between batches; with
    ``asynchronous.partial_rollout`` also between decode chunks inside one,
    ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights; multi-turn
-   episodes: before every engine call, ``EngineTurnGenerator.refresh``); wait
+   episodes: before every engine call, ``EngineTurnGenerator.weights``), through the
+   sampler's weight channel (``creditrl.weights.FolderChannel``, which holds the version the
+   engine samples with: ``Sampler.version``); wait
    while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
    batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
@@ -54,10 +56,9 @@ from creditrl.asynchronous.settings import (
     sampler_id_of,
     state_root,
     teacher_on_sampler,
-    weight_root,
+    weight_channel,
 )
 from creditrl.asynchronous.transport import SamplerSocket
-from creditrl.asynchronous.weights import WeightSubscriber
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.data import ResumableSampler
@@ -134,18 +135,23 @@ class Sampler:
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.pipeline = StepPipeline(cfg, self.worker, self.reward, self.tokenizer)
         self.with_ref = with_ref
-        self.weights = WeightSubscriber(weight_root(cfg))
-        self.weights_via = engine_traits(cfg.rollout.engine).weights_via
-        self.version = self._load_weights(0)
+        # the published weights: loaded into the policy (then pushed to an engine holding its
+        # own copy), or read by an engine that loads published folders itself
+        self.weights = weight_channel(cfg)
+        if engine_traits(cfg.rollout.engine).weights_via == "folder":
+            self.weights.attach(folder=self._engine_loads)
+        else:
+            self.weights.attach(self.worker.policy_model, then=self.worker.sync_rollout_weights)
+        self.weights.refresh()
         if a.partial_rollout and strategy_traits(cfg).multi_turn:  # between engine calls
-            self.worker.rollout.turns.refresh = self._refresh
+            self.worker.rollout.turns.weights = self.weights
         elif a.partial_rollout:  # the worker's rollout: chunks with newer weights between them
             self.worker.rollout = PartialRollout(
                 self.worker.engine,
                 self.tokenizer,
                 max_response_length=cfg.rollout.max_response_length,
                 chunk_tokens=a.partial_chunk_tokens,
-                refresh=self._refresh,
+                weights=self.weights,
             )
         self.outbox = Outbox(state_root(cfg), self.sampler_id)
         if self.outbox.data_state is not None:
@@ -223,22 +229,10 @@ class Sampler:
         """The behaviour policy's module (what published weights are loaded into)."""
         return self.worker.policy_model
 
-    def _load_weights(self, current: int) -> int:
-        """Load the newest published version into the policy (and push it to an engine that
-        holds its own copy), or hand its folder to an engine that reads published folders
-        itself (``weights_via="folder"``); returns the version the engine now samples with."""
-        if self.weights_via == "folder":
-            return self.weights.maybe_load_folder(self._engine_loads, current)
-        version = self.weights.maybe_load(self.worker.policy_model, current)
-        if version != current:
-            self.worker.sync_rollout_weights()
-        return version
-
-    def _refresh(self) -> int:
-        """Between decode chunks (partial rollout): newer published weights, if any, are loaded
-        now; returns the version the engine samples with from here on."""
-        self.version = self._load_weights(self.version)
-        return self.version
+    @property
+    def version(self) -> int:
+        """The weight version the engine samples with: the weight channel's."""
+        return self.weights.version
 
     def _engine_loads(self, folder: Path) -> None:
         """The engine reads a published folder, its weights awake (the KV cache stays asleep)."""
@@ -361,7 +355,7 @@ class Sampler:
 
     def step(self) -> None:
         """Produce one batch of groups, journal them, and send them."""
-        self.version = self._load_weights(self.version)
+        self.weights.refresh()
         groups, metrics = self.produce()
         for group in groups:
             seq = self.outbox.put(group)
@@ -394,7 +388,7 @@ class Sampler:
                 self._drain(0.0)
                 if self.stopped:
                     break
-                self.version = self._load_weights(self.version)
+                self.weights.refresh()
                 busy = len(self.outbox.pending()) >= self.max_inflight
                 if busy or not self._fresh_enough():
                     silent = time.monotonic() - self.last_heard

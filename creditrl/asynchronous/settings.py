@@ -7,6 +7,7 @@ from pathlib import Path
 from creditrl.asynchronous.validation import max_group_bytes
 from creditrl.bounded_json import JsonLimits
 from creditrl.config import Config
+from creditrl.weights import FolderChannel
 
 __all__ = [
     "check_async_config",
@@ -38,6 +39,16 @@ def sampler_id_of(index: int) -> str:
 def weight_root(cfg: Config) -> Path:
     """Where the learner publishes weights: ``asynchronous.weight_dir`` or ``<output>/weights``."""
     return Path(cfg.asynchronous.weight_dir or Path(cfg.trainer.output_dir) / "weights")
+
+
+def weight_channel(cfg: Config, publish: bool = False) -> FolderChannel:
+    """The weight folder (``weight_root``) as the run's weight channel: learner rank 0 publishes
+    there (``publish``: it claims the folder, keeps ``keep_weight_versions``, LoRA models as
+    ``lora_sync`` says), samplers read it."""
+    a = cfg.asynchronous
+    return FolderChannel(
+        weight_root(cfg), publish=publish, keep=a.keep_weight_versions, lora_sync=a.lora_sync
+    )
 
 
 def state_root(cfg: Config) -> Path:

@@ -22,17 +22,17 @@ KV cache is kept between its turns (``creditrl.rollout.turn_cache``, keyed by
 appended since the previous one: that turn's last sampled token and the observation. The
 loop calls ``end_run()`` at the end of every run, which frees them.
 
-``refresh`` (None, or set by an async sampler with ``asynchronous.partial_rollout``) is called
-before every engine call: it loads newer published weights if any and returns the version
-sampled with from then on. On a change the kept KV caches are dropped (every context is
-prefilled again under the new weights), and each ``TurnOutput`` records the version of its
-tokens (``versions``), so a turn continued in chunks, or an episode's later turns, can be
-sampled by newer weights than its earlier tokens.
+``weights`` (None, or an async sampler's weight channel with ``asynchronous.partial_rollout``,
+``creditrl.weights``) is refreshed before every engine call: it loads newer published weights
+if any, and holds the version sampled with from then on. On a change the kept KV caches are
+dropped (every context is prefilled again under the new weights), and each ``TurnOutput``
+records the version of its tokens (``versions``), so a turn continued in chunks, or an
+episode's later turns, can be sampled by newer weights than its earlier tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +44,7 @@ from creditrl.rollout.turn_cache import TurnKVCache
 
 if TYPE_CHECKING:
     from creditrl.rollout.engine import RolloutEngine
+    from creditrl.weights import WeightChannel
 
 __all__ = [
     "EngineTurnGenerator",
@@ -184,8 +185,7 @@ class EngineTurnGenerator:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.turn_engine = engine
-        self.refresh: Callable[[], int] | None = None
-        self.version: int | None = None
+        self.weights: WeightChannel | None = None  # refreshed before every engine call
         self.turn_cache: TurnKVCache | None = None
         self.run_stats: dict[str, float | None] = {"prefill_tokens": 0.0}
         self.last_run_stats: dict[str, float | None] = {}
@@ -241,15 +241,14 @@ class EngineTurnGenerator:
         return outputs
 
     def _refreshed(self) -> int | None:
-        """``refresh()``'s version (None without one); the kept KV caches are dropped when it
-        changed, so every context is prefilled under the weights that sample next."""
-        if self.refresh is None:
+        """The version the weight channel holds after a refresh (None without one); the kept
+        KV caches are dropped when it loaded newer weights, so every context is prefilled under
+        the weights that sample next (the loop's ``end_run`` drops them between runs)."""
+        if self.weights is None:
             return None
-        version = self.refresh()
-        if self.version is not None and version != self.version and self.turn_cache is not None:
+        if self.weights.refresh() and self.turn_cache is not None:
             self.turn_cache.clear()
-        self.version = version
-        return version
+        return self.weights.version
 
     def _turn(
         self,

@@ -15,6 +15,11 @@ refreshes from the shards after each update (all ranks must generate the same nu
 forward passes otherwise, which sampling cannot promise). An engine with its own weights
 (``vllm``) is pushed them at start and after every update, and is woken for each rollout and
 put to sleep after it (no-ops for engines that never sleep).
+
+The actor's weights reach its engine through the in-process weight channel ``weights``
+(``creditrl.weights.InProcessChannel``, its push ``sync_rollout_weights``): every actor
+update publishes a new version, and ``weights.version`` is the version the engine samples
+with (the async learner's version is this one's).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from creditrl.models import (
 from creditrl.rollout import EngineArgs, build_rollout_engine, check_rollout_engine, engine_traits
 from creditrl.rollout.strategies import build_rollout
 from creditrl.tracking.mfu import device_peak_flops, mfu_metrics, parameter_counts
+from creditrl.weights import InProcessChannel
 from creditrl.workers.actor import ActorWorker
 from creditrl.workers.checkpoint_io import checkpoint_mismatch, load_trainable, save_trainable
 from creditrl.workers.critic import CriticWorker
@@ -138,6 +144,9 @@ class HybridWorker:
         self.actor = self.ref = self.engine = self.rollout = self.critic = None
         self.policy: torch.nn.Module | None = None  # the rollout role's frozen policy
         self.engine_shares_policy = False  # the engine samples with the policy module itself
+        # the actor's weights to its engine, by version (the rollout role's policy is loaded by
+        # its owner's channel: an async sampler's FolderChannel)
+        self.weights: InProcessChannel | None = None
         if "actor" in roles:
             self._build_actor()
         if "rollout" in roles:
@@ -211,8 +220,9 @@ class HybridWorker:
         if ref_model is not None:
             self.ref = self._frozen(ref_model)
         self._build_engine(rollout_model, lora)
+        self.weights = InProcessChannel(self.sync_rollout_weights)
         if not samples_with_module:
-            self.sync_rollout_weights()
+            self.weights.publish(policy, self.weights.version)
 
     def _build_teacher(self) -> None:
         """The distillation teacher, frozen and placed like the reference: ``distill.teacher=
@@ -369,7 +379,7 @@ class HybridWorker:
         if self.placement.device.type == "cuda":  # the last optimizer step included
             torch.cuda.synchronize(self.placement.device)
         seconds = time.perf_counter() - start
-        self.sync_rollout_weights()
+        self.weights.publish(self.actor.model, self.weights.version + 1)
         tokens = int(batch["attention_mask"].sum()) * self.cfg.actor.ppo_epochs
         params, trained = parameter_counts(self.actor.model)
         peak = device_peak_flops(self.placement.device, self.cfg.trainer.device_peak_tflops)
@@ -385,7 +395,7 @@ class HybridWorker:
     @property
     def policy_model(self) -> torch.nn.Module:
         """The policy module that weights are loaded into: the actor's, or the rollout role's
-        frozen policy (for ``WeightSubscriber.maybe_load``; then ``sync_rollout_weights``)."""
+        frozen policy (for ``FolderChannel.load``; then ``sync_rollout_weights``)."""
         model = self.actor.model if self.actor is not None else self.policy
         if model is None:
             raise RuntimeError("this worker has no policy: build it with role 'actor' or 'rollout'")
@@ -398,10 +408,10 @@ class HybridWorker:
         self.sync_rollout_weights()
 
     def sync_rollout_weights(self) -> None:
-        """Push the policy's weights to the engine: nothing when it samples with the policy's
-        own module; else the full state dict (gathered from the shards under fsdp2) through
-        ``update_weights``, with only the engine's weights awake (a sleeping engine's KV cache
-        stays released until the next rollout)."""
+        """Push the policy's weights to the engine (the in-process channel's push): nothing
+        when it samples with the policy's own module; else the full state dict (gathered from
+        the shards under fsdp2) through ``update_weights``, with only the engine's weights
+        awake (a sleeping engine's KV cache stays released until the next rollout)."""
         if self.engine_shares_policy:
             return
         self.engine.wake_up(tags=["weights"])
@@ -454,7 +464,7 @@ class HybridWorker:
         for name, parts in self.trainables().items():
             load_trainable(path, name, meta[name], *parts)
         if self.actor is not None:
-            self.sync_rollout_weights()
+            self.weights.publish(self.actor.model, self.weights.version)
         file = path / f"generators.rank{self.rank}.safetensors"
         if file.is_file() and meta.get("world_size", self.world) == self.world:
             states = load_file(str(file))
