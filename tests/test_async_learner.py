@@ -16,12 +16,12 @@ from creditrl.asynchronous.learner import Learner
 from creditrl.asynchronous.messages import decode, episodes_message
 from creditrl.asynchronous.settings import check_async_config
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, concat_groups
-from creditrl.asynchronous.weights import WeightPublisher, WeightSubscriber, merged_state_dict
 from creditrl.batch import Batch
 from creditrl.cli import main
 from creditrl.models import apply_lora, load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.trainers.run_lock import RunLock
+from creditrl.weights import WeightPublisher, WeightSubscriber, merged_state_dict
 from creditrl.workers import policy_forward
 
 

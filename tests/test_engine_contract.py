@@ -13,7 +13,6 @@ from helpers import tiny_learner_config
 
 from creditrl.asynchronous.sampler import Sampler
 from creditrl.asynchronous.settings import weight_root
-from creditrl.asynchronous.weights import WeightPublisher, load_tensors
 from creditrl.batch import Batch
 from creditrl.config.schema import RolloutConfig
 from creditrl.errors import UserCodeError
@@ -28,6 +27,7 @@ from creditrl.rollout import (
     register_rollout_engine,
 )
 from creditrl.rollout.continuation import EngineTurnGenerator, TurnRequest
+from creditrl.weights import WeightPublisher, load_tensors
 
 ANSWER = [17, 18, 19, 20, 21, 22]
 

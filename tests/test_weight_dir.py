@@ -10,9 +10,9 @@ import torch
 from helpers import tiny_learner_config
 
 from creditrl.asynchronous.learner import Learner
-from creditrl.asynchronous.weights import WeightPublisher
 from creditrl.errors import ConfigError
 from creditrl.trainers.run_lock import RunInUseError
+from creditrl.weights import WeightPublisher
 
 
 def test_a_weight_folder_holding_the_users_dot_folders_is_refused_and_nothing_deleted(
