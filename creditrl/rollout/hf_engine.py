@@ -90,6 +90,7 @@ FAST_DECODE = True
 # prefill distinct prompts as one token trie on CPU where it pays (HFRolloutEngine._prefill_trie).
 TREE_PREFILL = True
 
+
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Rows that are the same prompt (same real tokens, same padding) get equal keys."""
     return input_ids.masked_fill(attention_mask == 0, -1)
