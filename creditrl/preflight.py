@@ -27,7 +27,7 @@ from creditrl.rewards.registry import (
     portable_spec,
     scorer_spec,
 )
-from creditrl.rollout.strategies import strategy_traits
+from creditrl.rollout.strategies import strategy_preflight, strategy_traits
 from creditrl.usercode import resolve_adv_estimator
 
 __all__ = ["check_models", "data_sources", "preflight"]
@@ -41,14 +41,7 @@ def preflight(cfg: Config) -> list[str]:
     Raises ConfigError, DataError or UserCodeError (one line each) for the first mistake.
     """
     resolve_adv_estimator(cfg.algorithm.adv_estimator)
-    if cfg.env.verifiers is not None:  # the package, the loader and what it returns
-        from creditrl.environments.verifiers import load_verifiers_environment
-
-        load_verifiers_environment(cfg.env)
-    if cfg.env.openenv is not None:  # the package, the target and its action's text field
-        from creditrl.environments.openenv import load_openenv_environment
-
-        load_openenv_environment(cfg.env)
+    strategy_preflight(cfg)  # an environment hub: its package, loader and what it returns
     check_models(cfg)
     check_max_failure_rate(cfg.reward.max_failure_rate)
     if _uses_tools(cfg):

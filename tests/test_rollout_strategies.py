@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import tiny_engine_config
+from helpers import restore_registries, tiny_engine_config
 
 import creditrl
 from creditrl.batch import Batch
 from creditrl.config import load_config, load_config_with_sources
 from creditrl.errors import ConfigError
+from creditrl.rewards import SCORERS
 from creditrl.rollout import register_rollout_strategy
 from creditrl.rollout.strategies import (
     ROLLOUT_STRATEGIES,
@@ -37,9 +38,18 @@ def test_the_registry_lists_the_strategies_and_what_each_declares() -> None:
     assert list(ROLLOUT_STRATEGIES)[:5] == built_in  # in the order chosen (then tests' ones)
     traits = {name: ROLLOUT_STRATEGIES.info(name)["traits"] for name in built_in}
     program = {"multi_turn": True, "runs_program": True}
+
+    def hub(name: str) -> dict[str, str]:
+        module = f"creditrl.environments.{name}"
+        return {
+            "selected_by": f"env.{name}",
+            "datasets": f"{module}:environment_datasets",
+            "preflight": f"{module}:check_environment",
+        }
+
     assert traits == {
-        "openenv": StrategyTraits(**program, selected_by="env.openenv"),
-        "verifiers": StrategyTraits(**program, selected_by="env.verifiers"),
+        "openenv": StrategyTraits(**program, **hub("openenv")),
+        "verifiers": StrategyTraits(**program, **hub("verifiers")),
         "agent_program": StrategyTraits(**program, selected_by="agent.program"),
         "agent_loop": StrategyTraits(multi_turn=True, uses_tools=True, selected_by="agent.enable"),
         "single_turn": StrategyTraits(),
@@ -184,3 +194,66 @@ def test_the_read_finder_catches_the_forms() -> None:
         "z = agent_cfg.program\nw = cfg.reward.reward_model.enable\n"
     )
     assert _agent_key_reads(ast.parse(source)) == [1, 2, 4, 5]
+
+
+OWN_PROMPTS = """
+from creditrl.data.dataset import PromptDataset
+from creditrl.data.rows import PromptRow
+from creditrl.rewards import register_scorer
+from creditrl.rollout import StrategyTraits, register_rollout_strategy
+
+
+def prompts(cfg, tokenizer):
+    rows = [
+        PromptRow([{"role": "user", "content": f"Own prompt {i}: say hi."}], "hi", "own")
+        for i in range(4)
+    ]
+    data = cfg.data
+    train = PromptDataset(rows, tokenizer, data.max_prompt_length, data.overlong_prompt)
+    return train, None
+
+
+@register_rollout_strategy("own_prompts", StrategyTraits(datasets=prompts))
+def build(engine, tokenizer, cfg):
+    return engine
+
+
+@register_scorer("own_length")
+def own_length(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return 0.1 * (len(solution_str) % 3) if data_source == "own" else -1.0
+"""
+
+
+def test_a_users_strategy_brings_its_own_prompts_and_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strategy in one file named by ``trainer.extensions`` declares ``datasets``: the run
+    samples its prompts (not the data section's), scores them and takes an update step; the
+    pipeline and preflight name no strategy to get there."""
+    restore_registries(monkeypatch, ROLLOUT_STRATEGIES)
+    saved = dict(SCORERS)
+    extension = tmp_path / "own_prompts.py"
+    extension.write_text(OWN_PROMPTS)
+    cfg = tiny_engine_config(
+        tmp_path / "run",
+        f"trainer.extensions=[{extension}]",
+        "rollout.strategy=own_prompts",
+        "reward.scorer=own_length",
+        "reward.num_workers=0",
+    )
+    assert callable(strategy_traits(cfg).datasets)
+    trainer = RLTrainer(cfg)
+    try:
+        assert len(trainer.train_data) == 4 and trainer.val_data is None
+        trainer.step = 1
+        metrics = trainer.train_step()
+        batch = trainer.last_batch
+        prompts = trainer.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
+        assert all("Own prompt" in text for text in prompts)
+        assert list(batch.non_tensors["data_source"]) == ["own"] * 4  # 2 prompts x rollout.n=2
+        assert metrics["reward/score_min"] >= 0.0  # each score is own_length's
+        assert "actor/pg_loss" in metrics
+    finally:
+        trainer.close()
+        SCORERS.clear()
+        SCORERS.update(saved)

@@ -4,9 +4,11 @@ registries branching on a registered name."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import re
 from pathlib import Path
+from typing import Any
 
 import creditrl
 
@@ -295,14 +297,28 @@ def _registry_homes() -> dict[str, str]:
     }
 
 
+HOOK_PATH = re.compile(r"^creditrl(\.\w+)+:\w+$")
+
+
+def _declared_paths(registry: Any) -> list[str]:
+    """Every dotted path ``registry`` holds: its entries', and those its entries declare (a
+    strategy's ``datasets`` and ``preflight`` hooks)."""
+    found = list(registry.paths().values())
+    for name in registry:
+        for value in registry.info(name).values():
+            fields = dataclasses.asdict(value).values() if dataclasses.is_dataclass(value) else ()
+            found += [v for v in fields if isinstance(v, str) and HOOK_PATH.match(v)]
+    return found
+
+
 def _path_edges() -> dict[str, set[str]]:
-    """{module making a registry: the modules its entries' dotted paths name}: edges in strings,
-    imported when an entry is asked for."""
+    """{module making a registry: the modules its dotted paths name}: edges in strings,
+    imported when an entry (or a hook it declares) is asked for."""
     from creditrl.registry import REGISTRIES
 
     edges: dict[str, set[str]] = {}
     for kind, home in _registry_homes().items():
-        for path in REGISTRIES[kind].paths().values():
+        for path in _declared_paths(REGISTRIES[kind]):
             edges.setdefault(home, set()).add(path.partition(":")[0])
     return edges
 
@@ -311,8 +327,9 @@ def test_every_registry_path_names_its_entry() -> None:
     """Each built-in entry's dotted path imports, and names a callable (a function or class)."""
     from creditrl.registry import REGISTRIES, import_path
 
-    paths = [(kind, path) for kind, r in REGISTRIES.items() for path in r.paths().values()]
+    paths = [(kind, path) for kind, r in REGISTRIES.items() for path in _declared_paths(r)]
     assert len(paths) >= 30
+    assert ("rollout strategy", "creditrl.environments.openenv:check_environment") in paths
     for kind, path in paths:
         assert callable(import_path(path)), (kind, path)
 

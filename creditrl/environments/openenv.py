@@ -64,6 +64,7 @@ __all__ = [
     "VAL_SEED_OFFSET",
     "OpenEnvProgram",
     "build_openenv_rollout",
+    "check_environment",
     "environment_datasets",
     "load_openenv_environment",
     "observation_text",
@@ -470,6 +471,12 @@ class OpenEnvProgram:
                         {"role": "user", "content": observation_text(outcome.observation)}
                     )
         return {"score": total, "openenv_steps": float(steps), "openenv_done": float(outcome.done)}
+
+
+def check_environment(cfg: Config) -> None:
+    """The ``openenv`` strategy's preflight: the package, the target and its action's text
+    field, before any model is built."""
+    load_openenv_environment(cfg.env)
 
 
 def build_openenv_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:

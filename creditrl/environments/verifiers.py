@@ -45,6 +45,7 @@ __all__ = [
     "INSTALL_HINT",
     "VerifiersProgram",
     "build_verifiers_rollout",
+    "check_environment",
     "environment_datasets",
     "load_verifiers_environment",
 ]
@@ -276,6 +277,12 @@ class VerifiersProgram:
             raise EnvironmentEpisodeError(f"the environment's rubric failed: {rubric_errors[0]}")
         parts = {f"vf_{k}": float(v) for k, v in (output.get("metrics") or {}).items()}
         return {"score": float(output["reward"]), **parts}
+
+
+def check_environment(cfg: Config) -> None:
+    """The ``verifiers`` strategy's preflight: the package, the loader and what it returns,
+    before any model is built."""
+    load_verifiers_environment(cfg.env)
 
 
 def build_verifiers_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:

@@ -30,6 +30,7 @@ from creditrl.core import get_kl_controller
 from creditrl.data import collate_prompts
 from creditrl.pipeline import stages
 from creditrl.rollout import rollout_log_probs_are_actors
+from creditrl.rollout.strategies import strategy_datasets
 from creditrl.tracking import Timer
 from creditrl.workers.hybrid import PREFILL_FIELD
 from creditrl.workers.placement import placement_for, update_autocast
@@ -55,19 +56,14 @@ def sampled_temperature(batch: Batch, cfg: Config) -> float:
 
 
 def build_run_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
-    """(train, validation) datasets of ``cfg``: an environment's (``env.verifiers``,
-    ``env.openenv``), an agent task's, or the data section's."""
+    """(train, validation) datasets of ``cfg``: the selected rollout strategy's own (an
+    environment hub's), an agent task's, or the data section's."""
     from creditrl.agents.tasks import build_agent_datasets
     from creditrl.data import build_datasets
 
-    if cfg.env.verifiers is not None:
-        from creditrl.environments.verifiers import environment_datasets
-
-        return environment_datasets(cfg, tokenizer)
-    if cfg.env.openenv is not None:
-        from creditrl.environments.openenv import environment_datasets as openenv_datasets
-
-        return openenv_datasets(cfg, tokenizer)
+    own = strategy_datasets(cfg, tokenizer)
+    if own is not None:
+        return own
     if is_agent_task(cfg.data):
         return build_agent_datasets(cfg, tokenizer)
     return build_datasets(cfg.data, tokenizer, cfg.distill)

@@ -26,7 +26,7 @@ from creditrl.config.checks import register_run_code
 from creditrl.config.fields import format_value, value_at
 from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
-from creditrl.registry import Registry
+from creditrl.registry import Registry, import_path
 
 __all__ = [
     "ROLLOUT_STRATEGIES",
@@ -35,6 +35,8 @@ __all__ = [
     "register_rollout_strategy",
     "rollout_strategy",
     "strategy_code",
+    "strategy_datasets",
+    "strategy_preflight",
     "strategy_traits",
 ]
 
@@ -55,6 +57,11 @@ class StrategyTraits:
       environment's rollout; the endpoint's settings apply);
     - ``needs``: the settings (dotted keys) it cannot run without; choosing it with one unset
       is refused at config load;
+    - ``datasets``: its own prompts, ``fn(cfg, tokenizer) -> (train, val)`` datasets (or a
+      ``"creditrl.module:fn"`` path, imported when asked); None: the data section's prompts
+      (or an agent task's);
+    - ``preflight``: ``fn(cfg)`` checking what it will load before any model is built (or a
+      path); raises a one-line error;
     - ``selected_by``: the setting (a dotted key) that chooses it when ``rollout.strategy`` is
       null: the first entry, in registration order, whose key is set (not null, not false) is
       chosen; two set that both ``runs_program`` are refused (each runs its own episodes). It
@@ -66,6 +73,8 @@ class StrategyTraits:
     runs_program: bool = False
     needs: tuple[str, ...] = ()
     selected_by: str | None = None
+    datasets: str | Callable[[Config, Any], tuple[Any, Any]] | None = None
+    preflight: str | Callable[[Config], None] | None = None
 
     def needed(self) -> tuple[str, ...]:
         """``needs`` with ``selected_by`` when that names code to run."""
@@ -77,10 +86,11 @@ def register_rollout_strategy(
     name: str, traits: StrategyTraits | None = None
 ) -> Callable[[RolloutBuilder], RolloutBuilder]:
     """Decorator: add ``fn(engine, tokenizer, cfg) -> rollout`` as rollout strategy ``name``,
-    declaring what it does (``traits``; default: single-turn batches), chosen with
-    ``rollout.strategy=name``. The rollout it builds samples as an engine does
-    (``generate(prompts, *, greedy, temperature, seed) -> Batch``) and declares ``last_stats``
-    (a ``creditrl.rollout.RolloutEngine`` or ``creditrl.agents.rollout.EngineRollout``)."""
+    declaring what it does (``traits``; default: single-turn batches; ``traits.datasets``
+    brings its own prompts), chosen with ``rollout.strategy=name`` or by its ``selected_by``
+    key. The rollout it builds samples as an engine does (``generate(prompts, *, greedy,
+    temperature, seed) -> Batch``) and declares ``last_stats`` (a
+    ``creditrl.rollout.RolloutEngine`` or ``creditrl.agents.rollout.EngineRollout``)."""
     return ROLLOUT_STRATEGIES.register(name, traits=traits or StrategyTraits())
 
 
@@ -94,16 +104,21 @@ def _add(name: str, path: str, traits: StrategyTraits) -> None:
 
 
 # In the order they are chosen when rollout.strategy is null (rollout_strategy).
-_add(
-    "openenv",
-    "creditrl.environments.openenv:build_openenv_rollout",
-    StrategyTraits(multi_turn=True, runs_program=True, selected_by="env.openenv"),
-)
-_add(
-    "verifiers",
-    "creditrl.environments.verifiers:build_verifiers_rollout",
-    StrategyTraits(multi_turn=True, runs_program=True, selected_by="env.verifiers"),
-)
+def _hub(name: str, module: str, selected_by: str) -> None:
+    """An environment hub's entry: its module's ``build_<name>_rollout``,
+    ``environment_datasets`` (the hub's prompts) and ``check_environment`` (its preflight)."""
+    traits = StrategyTraits(
+        multi_turn=True,
+        runs_program=True,
+        selected_by=selected_by,
+        datasets=f"{module}:environment_datasets",
+        preflight=f"{module}:check_environment",
+    )
+    _add(name, f"{module}:build_{name}_rollout", traits)
+
+
+_hub("openenv", "creditrl.environments.openenv", "env.openenv")
+_hub("verifiers", "creditrl.environments.verifiers", "env.verifiers")
 _add(
     "agent_program",
     "creditrl.agents.program:program_rollout",
@@ -171,6 +186,25 @@ def strategy_code(cfg: Config) -> list[str]:
     if traits.uses_tools and cfg.agent.tool_config is not None:
         found.append(f"agent.tool_config={format_value(cfg.agent.tool_config)}")
     return found
+
+
+def _hook(hook: str | Callable[..., Any]) -> Callable[..., Any]:
+    return import_path(hook) if isinstance(hook, str) else hook
+
+
+def strategy_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any] | None:
+    """The (train, validation) datasets the selected strategy brings (``datasets``), or None
+    when it samples the data section's prompts."""
+    hook = strategy_traits(cfg).datasets
+    return None if hook is None else _hook(hook)(cfg, tokenizer)
+
+
+def strategy_preflight(cfg: Config) -> None:
+    """Run the selected strategy's ``preflight`` (what it will load, checked before any model
+    is built), if it declares one."""
+    hook = strategy_traits(cfg).preflight
+    if hook is not None:
+        _hook(hook)(cfg)
 
 
 def build_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
