@@ -15,8 +15,7 @@ Imports are lazy so ``import creditrl.agents`` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from creditrl.lazy import names_on_first_use
 
 __all__ = [
     "AgentLoop",
@@ -41,7 +40,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = names_on_first_use(__name__, _HOMES)

@@ -11,8 +11,7 @@ without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from creditrl.lazy import names_on_first_use
 
 _HOMES = {
     "ADV_ESTIMATORS": "creditrl.core.registries",
@@ -75,8 +74,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """``creditrl.core.NAME`` from the module that defines it, imported now."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'creditrl.core' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = names_on_first_use(__name__, _HOMES)

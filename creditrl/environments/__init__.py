@@ -15,8 +15,7 @@ Imports are lazy: ``verifiers`` and ``openenv`` are optional extras (``pip insta
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from creditrl.lazy import names_on_first_use
 
 _HOMES = {
     "build_verifiers_rollout": "creditrl.environments.verifiers",
@@ -27,7 +26,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = names_on_first_use(__name__, _HOMES)

@@ -5,8 +5,7 @@ here are imported on first use, so the registries are read without importing tor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from creditrl.lazy import names_on_first_use
 
 _HOMES = {
     "ROLLOUT_ENGINES": "creditrl.rollout.registries",
@@ -33,8 +32,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """``creditrl.rollout.NAME`` from the module that defines it, imported now."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'creditrl.rollout' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = names_on_first_use(__name__, _HOMES)

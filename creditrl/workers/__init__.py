@@ -4,8 +4,7 @@ Names are imported on first use, so ``creditrl.workers.checks`` is read without 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from creditrl.lazy import names_on_first_use
 
 _HOMES = {
     "ActorWorker": "creditrl.workers.actor",
@@ -20,8 +19,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """``creditrl.workers.NAME`` from the module that defines it, imported now."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'creditrl.workers' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = names_on_first_use(__name__, _HOMES)
