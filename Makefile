@@ -35,7 +35,7 @@ run: $(STAMP)  ## make run ARGS="rollout.n=8 trainer.total_steps=10"
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	./scripts/install_chromium.sh || true  # headless Chromium for the HTML tests (else they skip)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup  # two processes, each test file on one (tests/conftest.py)
 
 test-gpu:  ## the tests marked gpu (each skips, saying why, where CUDA is absent); installs nothing,
 	@# so a GPU image's own torch is kept: .venv's Python when made, else $(PYTHON)

@@ -74,8 +74,8 @@ def train(
     """
     from rich.console import Console
 
-    from creditrl.cli import print_warning
     from creditrl.config.loader import load_config_with_sources
+    from creditrl.console import print_warning
     from creditrl.rewards.registry import SCORERS
     from creditrl.trainers.rl_trainer import RLTrainer
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -14,8 +13,9 @@ from rich.console import Console
 from creditrl.commands import SUBCOMMANDS
 from creditrl.config import Config
 from creditrl.config.loader import load_config_with_sources, to_dict
+from creditrl.console import log_plainly, print_error, print_warning
 from creditrl.errors import UserError
-from creditrl.plain_text import as_text, plain
+from creditrl.plain_text import as_text
 
 
 def describe_sizes(cfg: Config) -> str:
@@ -29,35 +29,6 @@ def describe_sizes(cfg: Config) -> str:
         f"{cfg.actor.ppo_epochs} epoch(s), "
         f"micro-batches of {cfg.actor.ppo_micro_batch_size} trajectories"
     )
-
-
-def print_error(console: Console, err: Exception) -> None:
-    """``err`` as one red line "error: ..." (a UserError's message is the whole story)."""
-    text = " ".join(str(err).splitlines())
-    console.print("[red]error:[/red]", as_text(text), soft_wrap=True)
-
-
-def print_warning(console: Console, text: str) -> None:
-    """One yellow line "warning: ..."."""
-    console.print(as_text(f"warning: {text}", style="yellow"), soft_wrap=True)
-
-
-class PlainLogFormatter(logging.Formatter):
-    """Log records as ``plain`` text: a warning may quote model output, a data row or a path."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return plain(super().format(record))
-
-
-def log_plainly() -> None:
-    """Warnings and errors to stderr as ``plain`` text, as Python prints them when logging is
-    not configured; nothing when it is (an application's handlers are left alone)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setLevel(logging.WARNING)
-        handler.setFormatter(PlainLogFormatter())
-        root.addHandler(handler)
 
 
 def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:

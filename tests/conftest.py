@@ -1,6 +1,7 @@
 """Fixtures shared by the rollout-engine tests (HF and vLLM): the real tokenizer and a tiny
 random Llama whose logits are spread enough (initializer_range 0.2) for sampling to vary; and,
-for every test, the CPU as ``trainer.device=auto``'s answer unless the test is marked gpu."""
+for every test, the CPU as ``trainer.device=auto``'s answer unless the test is marked gpu; and
+the groups ``make test`` runs its two processes by (pytest-xdist ``--dist loadgroup``)."""
 
 import pytest
 import torch
@@ -9,6 +10,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from creditrl.models.tiny import tiny_model_dir
 from creditrl.models.tokenizer import load_tokenizer
 from creditrl.workers import placement
+
+# Files that start a local Ray cluster: two at once would find each other's (Ray connects to an
+# existing local cluster), so they run one after another in one process.
+RAY_FILES = {"test_distributed.py", "test_loopback.py", "test_ray_cluster.py", "test_scale_out.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test file is one group (its module fixtures are built once), the Ray files one
+    group together: under ``-n 2 --dist loadgroup`` a group runs in one process."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
 
 
 @pytest.fixture(autouse=True)

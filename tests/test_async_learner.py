@@ -20,7 +20,7 @@ from creditrl.batch import Batch
 from creditrl.cli import main
 from creditrl.models import apply_lora, load_causal_lm
 from creditrl.models.tiny import tiny_model_dir
-from creditrl.trainers.run_lock import RunLock
+from creditrl.run_lock import RunLock
 from creditrl.weights import WeightPublisher, WeightSubscriber, merged_state_dict
 from creditrl.workers import policy_forward
 

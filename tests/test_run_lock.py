@@ -1,4 +1,4 @@
-"""One run per output folder (creditrl.trainers.run_lock): a second run into a folder in use is
+"""One run per output folder (creditrl.run_lock): a second run into a folder in use is
 refused in one line naming the running one; the lock dies with its holder; an output_dir that
 is a file is one line naming the key."""
 
@@ -15,11 +15,11 @@ from creditrl import cli
 from creditrl.asynchronous.learner import Learner
 from creditrl.config.loader import save_resolved_config
 from creditrl.errors import ConfigError
+from creditrl.run_lock import LOCK_FD_ENV, LOCK_NAME, RunInUseError, RunLock
 from creditrl.trainers.rl_trainer import RLTrainer
-from creditrl.trainers.run_lock import LOCK_FD_ENV, LOCK_NAME, RunInUseError, RunLock
 
 HOLD = (
-    "import sys; from creditrl.trainers.run_lock import RunLock; "
+    "import sys; from creditrl.run_lock import RunLock; "
     "lock = RunLock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
 )
 
@@ -140,7 +140,7 @@ def test_the_launcher_hands_its_lock_to_learner_rank_0(tmp_path: Path) -> None:
     adopts it; a process without it (a second run) is refused; a stale variable naming a
     descriptor that is not the lock file is ignored."""
     child = (
-        "import sys; from creditrl.trainers.run_lock import RunLock\n"
+        "import sys; from creditrl.run_lock import RunLock\n"
         "try:\n    RunLock.acquire(sys.argv[1]); print('adopted')\n"
         "except Exception as e:\n    print(type(e).__name__)\n"
     )

@@ -11,7 +11,7 @@ from helpers import tiny_learner_config
 
 from creditrl.asynchronous.learner import Learner
 from creditrl.errors import ConfigError
-from creditrl.trainers.run_lock import RunInUseError
+from creditrl.run_lock import RunInUseError
 from creditrl.weights import WeightPublisher
 
 

@@ -31,7 +31,7 @@ from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
 from creditrl.config.loader import async_default_notes, load_config_with_sources
 from creditrl.plain_text import as_markup, as_text
-from creditrl.trainers.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
+from creditrl.run_lock import LOCK_FD_ENV, RunLock, check_output_dir_free
 from creditrl.workers.placement import check_device
 
 __all__ = [
@@ -158,7 +158,7 @@ def start_child(
 ) -> Child:
     """Start ``cmd``; its stdout and stderr are shown on ``echo`` (the launcher's own by
     default) and appended to ``log_dir/<role>-<index>.log``. ``lock_fd``: the output folder's
-    held lock, handed to the child (``creditrl.trainers.run_lock``)."""
+    held lock, handed to the child (``creditrl.run_lock``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # live output, and all of it at a crash
     env.pop(LOCK_FD_ENV, None)

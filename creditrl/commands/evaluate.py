@@ -31,7 +31,7 @@ def _describe(spec: str, target: Any) -> str:
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> list[dict[str, float]]:
-    from creditrl.cli import print_warning
+    from creditrl.console import print_warning
     from creditrl.exporting.evaluate import evaluated_model, plan_eval, validation_metrics
 
     plan = plan_eval(args.args, args.compare, trust_run_code=args.trust_run_code)
@@ -51,7 +51,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> list[dict[str, floa
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Handle ``creditrl eval``."""
-    from creditrl.cli import print_error
+    from creditrl.console import print_error
 
     try:
         results = _evaluate(args, console)

@@ -20,7 +20,7 @@ from creditrl.plain_text import as_text
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Handle ``creditrl export``."""
-    from creditrl.cli import print_error, print_warning
+    from creditrl.console import print_error, print_warning
     from creditrl.exporting import export
 
     try:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from creditrl.batch import Batch
+from creditrl.run_lock import RunLock
 from creditrl.trainers.failures import EpisodeFailures
-from creditrl.trainers.run_lock import RunLock
 
 __all__ = ["TrainingLoop", "saved_metrics"]
 

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from creditrl.bounded_json import JsonLimits, read_json_file
 from creditrl.errors import ConfigError
-from creditrl.trainers.run_lock import LOCK_NAME, RunLock
+from creditrl.run_lock import LOCK_NAME, RunLock
 from creditrl.weights.channel import WeightChannel
 from creditrl.weights.tensors import apply_state, load_tensors, publishable_state, snapshot_tensors
 
