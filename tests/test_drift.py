@@ -115,7 +115,6 @@ def test_check_tokenization_cli_with_a_model(capsys) -> None:
         "data.val_size=1",
         "data.system_prompt=Use the calculator.",
         "rollout.max_response_length=12",
-        "agent.enable=true",
         "agent.max_tokens_per_turn=6",
         "--rows",
         "3",
@@ -150,9 +149,14 @@ def test_check_tokenization_runs_the_rollout_strategy_the_run_selects(capsys) ->
     assert "Use the calculator." in first and "What is" in first  # a calc_multiturn row
 
 
-def test_check_tokenization_refuses_a_single_turn_run(capsys) -> None:
+def test_check_tokenization_of_a_single_turn_config_checks_the_agent_loop(capsys) -> None:
     """A config whose run samples one answer per prompt (agent.enable=false and no program
-    or environment) has no multi-turn trajectory to check: one line, not the agent loop."""
-    assert main(["check-tokenization", *CALC]) == 2
+    or environment) has no multi-turn trajectory: the command says so in one line and checks
+    the built-in agent loop's trajectories, as it always did for such a config."""
+    torch.manual_seed(0)
+    args = ["check-tokenization", *CALC, "rollout.max_response_length=12",
+            "agent.max_tokens_per_turn=6", "--rows", "2"]  # fmt: skip
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "rollout strategy is single_turn" in out and "agent.enable=true" in out
+    assert "tokenization/checked: 2" in out

@@ -94,18 +94,9 @@ def _model_batch(cfg: Any, rows: int, greedy: bool) -> tuple[Any, Any]:
     ``env.*``); with the chat format its drift checks use."""
     from creditrl.agents.hooks import chat_format
     from creditrl.data import collate_prompts
-    from creditrl.errors import ConfigError
     from creditrl.pipeline.step import build_run_datasets
-    from creditrl.rollout.strategies import rollout_strategy, strategy_traits
     from creditrl.workers.hybrid import HybridWorker
 
-    if not strategy_traits(cfg).multi_turn:
-        raise ConfigError(
-            "check-tokenization checks multi-turn trajectories, but this config's rollout "
-            f"strategy is {rollout_strategy(cfg)} (its run samples one answer per prompt); set "
-            "agent.enable=true (or agent.program, env.verifiers, env.openenv) to check the "
-            "trajectories such a run samples"
-        )
     worker = HybridWorker(cfg, roles=("rollout",), with_teacher=False)
     try:
         train, _ = build_run_datasets(cfg, worker.tokenizer)
@@ -117,6 +108,20 @@ def _model_batch(cfg: Any, rows: int, greedy: bool) -> tuple[Any, Any]:
         if close is not None:
             close()
     return batch, chat_format(worker.tokenizer, cfg.agent.tool_role)
+
+
+def single_turn_note(cfg: Any) -> str | None:
+    """The line said when ``cfg``'s rollout samples one answer per prompt (no trajectory to
+    check): the command then checks the built-in agent loop's, as ``agent.enable=true``
+    would sample; None for a multi-turn strategy, which is checked as it is."""
+    from creditrl.rollout.strategies import rollout_strategy, strategy_traits
+
+    if strategy_traits(cfg).multi_turn:
+        return None
+    return (
+        f"note: this config's rollout strategy is {rollout_strategy(cfg)} (one answer per "
+        "prompt); checking the trajectories of the built-in agent loop (agent.enable=true)"
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -137,6 +142,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         batch, rollout = demo_batch(load_tokenizer(path))
         chat = rollout.loop.chat
     else:
+        single = single_turn_note(cfg)
+        if single is not None:
+            console.print(as_text(single))
+            cfg.rollout.strategy = "agent_loop"
         batch, chat = _model_batch(cfg, args.rows, args.greedy)
     metrics, reports = check_batch(batch, chat)
     table = Table(title="tokenization drift (spec 004)")
