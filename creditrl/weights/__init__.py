@@ -10,12 +10,11 @@ holds the version its sampling weights are). The implementations:
 - ``FolderChannel`` (``creditrl.weights.folder``): the async learner publishes ``vNNNNNNNN/``
   folders and a ``latest`` pointer under ``asynchronous.weight_dir``; samplers poll and load
   (between batches, between partial-rollout chunks, before every agent turn).
-- A wire channel (to come: ``creditrl/weights/wire.py``) would carry the weights over the
-  samplers' ZeroMQ socket instead of a shared folder: ``publish`` sends the
-  ``publishable_state`` as safetensors frames, ``newest`` is the version the learner last
-  announced (every ack carries ``weight_version``), ``load`` applies the received tensors
-  (``apply_state``). Nothing else changes: the sampler, the turn generator and the partial
-  rollout already hold only a ``WeightChannel``.
+- ``WireChannel`` / ``WirePublisher`` (``creditrl.weights.wire``): a publication as
+  checksummed safetensors chunks that a sampler fetches through a connection it already has
+  (no shared disk), bounded by ``WireLimits``, rate-limited on the publisher's side, applied
+  only when complete and resumable after a dropped connection. Served over the samplers'
+  ZeroMQ socket, it needs the transport's two requests (a manifest, a chunk): not wired yet.
 
 This package is ground floor: torch, safetensors and the shared modules (``bounded_json``,
 ``errors``, the run lock), never the async, agents, rollout or pipeline layers.
@@ -32,6 +31,7 @@ from creditrl.weights.tensors import (
     save_tensors,
     snapshot_tensors,
 )
+from creditrl.weights.wire import WireChannel, WireLimits, WirePublisher
 
 __all__ = [
     "LORA_SYNC",
@@ -40,6 +40,9 @@ __all__ = [
     "WeightChannel",
     "WeightPublisher",
     "WeightSubscriber",
+    "WireChannel",
+    "WireLimits",
+    "WirePublisher",
     "apply_state",
     "load_tensors",
     "merged_state_dict",

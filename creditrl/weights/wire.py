@@ -1,0 +1,335 @@
+"""Weights over the wire: a publication as checksummed chunks that a sampler fetches through a
+connection it already has (no shared disk), loaded only when complete, resumable after a
+dropped connection, never pickled.
+
+A publication (``publishable_state``: ``full``, ``merged`` or ``adapter`` tensors) is written
+as one safetensors byte string (tensors that share memory once, aliases in its metadata), cut
+into ``chunk_bytes`` pieces. Its ``Manifest`` names the version, kind, total size, the SHA-256
+of the whole and of every chunk. The sampling side checks the manifest against its
+``WireLimits`` before asking for a byte, each chunk against its hash as it arrives (a bad one is
+dropped and asked for again), and the whole before decoding it; what it already holds survives
+a dropped connection, so the next ``refresh`` asks only for the missing chunks.
+
+- ``WirePublisher`` (the learner's side): ``publish(model, version)`` encodes and keeps the
+  newest ``keep`` publications; ``manifest(version)`` and ``chunk(version, index)`` serve them,
+  at most ``rate_bytes`` a second (``RateLimit``).
+- ``WireChannel`` (the sampler's side): a ``WeightChannel`` over a ``WireSource`` (anything with
+  ``newest``, ``manifest`` and ``chunk``: the publisher itself in process, or the transport's
+  requests to it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from creditrl.bounded_json import JsonLimits, loads_bounded
+from creditrl.weights.channel import WeightChannel
+from creditrl.weights.tensors import apply_state, publishable_state, snapshot_tensors
+
+__all__ = [
+    "KINDS",
+    "Manifest",
+    "RateLimit",
+    "WireAssembler",
+    "WireChannel",
+    "WireError",
+    "WireLimits",
+    "WirePublisher",
+    "WireSource",
+    "decode_publication",
+    "encode_publication",
+]
+
+KINDS = ("full", "merged", "adapter")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HEADER_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=4, max_items=4_000_000)
+_ALIAS_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=1, max_items=1_000_000)
+
+
+class WireError(ValueError):
+    """A manifest, chunk or publication that is not what ``WirePublisher`` sends."""
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """What a sampler accepts: a publication of at most ``max_bytes``, in at most
+    ``max_chunks`` chunks of at most ``max_chunk_bytes`` each."""
+
+    max_bytes: int = 64 << 30
+    max_chunks: int = 1 << 16
+    max_chunk_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One publication: ``version``, ``kind``, ``size`` bytes, ``sha256`` of them, and the
+    ``chunk_bytes`` and per-chunk ``chunks`` hashes it is cut into."""
+
+    version: int
+    kind: str
+    size: int
+    sha256: str
+    chunk_bytes: int
+    chunks: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest as JSON-able fields (what goes on the wire)."""
+        return {
+            "version": self.version,
+            "kind": self.kind,
+            "size": self.size,
+            "sha256": self.sha256,
+            "chunk_bytes": self.chunk_bytes,
+            "chunks": list(self.chunks),
+        }
+
+    @classmethod
+    def parse(cls, fields: Any, limits: WireLimits) -> Manifest:
+        """A manifest from untrusted ``fields``: every field's type and range checked against
+        ``limits`` and against each other (the chunk count is what ``size`` and
+        ``chunk_bytes`` give); WireError naming the first that is not."""
+        if not isinstance(fields, dict):
+            raise WireError(f"a weight manifest is a mapping, not {type(fields).__name__}")
+        version = _count(fields, "version", 1 << 62)
+        size = _count(fields, "size", limits.max_bytes)
+        chunk_bytes = _count(fields, "chunk_bytes", limits.max_chunk_bytes)
+        kind, digest, chunks = fields.get("kind"), fields.get("sha256"), fields.get("chunks")
+        if kind not in KINDS:
+            raise WireError(f"weight manifest kind {str(kind)[:40]!r} is not one of {KINDS}")
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise WireError("weight manifest sha256 is not 64 hex digits")
+        if not isinstance(chunks, list) or len(chunks) > limits.max_chunks:
+            raise WireError(f"weight manifest chunks is not a list of <= {limits.max_chunks}")
+        if chunk_bytes < 1 or len(chunks) != -(-size // chunk_bytes):
+            raise WireError(
+                f"weight manifest: {len(chunks)} chunks do not cut {size} bytes into "
+                f"{chunk_bytes}-byte pieces"
+            )
+        if not all(isinstance(c, str) and _SHA256.match(c) for c in chunks):
+            raise WireError("weight manifest chunk hashes are not 64 hex digits each")
+        return cls(version, kind, size, digest, chunk_bytes, tuple(chunks))
+
+
+def _count(fields: dict[str, Any], key: str, most: int) -> int:
+    value = fields.get(key)
+    if type(value) is not int or not 0 <= value <= most:
+        raise WireError(f"weight manifest {key} is not an integer in [0, {most}]")
+    return value
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_publication(
+    kind: str, tensors: dict[str, torch.Tensor], version: int, chunk_bytes: int = 8 << 20
+) -> tuple[Manifest, bytes]:
+    """(manifest, payload): ``tensors`` as safetensors bytes (shared tensors once, aliases in
+    the metadata) cut into ``chunk_bytes`` pieces."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    stored, aliases = snapshot_tensors(tensors)
+    payload = save_safetensors(stored, metadata={"aliases": json.dumps(aliases)})
+    pieces = [payload[i : i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)]
+    manifest = Manifest(
+        int(version), kind, len(payload), _sha(payload), chunk_bytes, tuple(map(_sha, pieces))
+    )
+    return manifest, payload
+
+
+def decode_publication(payload: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a complete payload (its hash already checked), aliases restored;
+    WireError if it is not safetensors or its alias table is not a bounded {name: name}."""
+    try:
+        header_size = int.from_bytes(payload[:8], "little")
+        header = loads_bounded(payload[8 : 8 + header_size], _HEADER_LIMITS)
+        raw = (header.get("__metadata__") or {}).get("aliases", "{}")
+        aliases = loads_bounded(raw, _ALIAS_LIMITS)
+        tensors = load_safetensors(payload)
+    except Exception as e:  # a header over its bounds, safetensors' own errors
+        raise WireError(f"the weight payload is not safetensors: {str(e)[:200]}") from None
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v in tensors for k, v in aliases.items()
+    ):
+        raise WireError("the weight payload's aliases are not {name: stored tensor name}")
+    for alias, target in aliases.items():
+        tensors[alias] = tensors[target]
+    return tensors
+
+
+class WireAssembler:
+    """The chunks of one manifest as they arrive (any order, any number of connections):
+    ``add`` checks each against its hash, ``missing`` lists what is still needed,
+    ``payload`` is the whole once complete and its hash holds."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._pieces: dict[int, bytes] = {}
+        self.rejected = 0
+
+    def missing(self) -> list[int]:
+        """The chunk indices not yet received, in order."""
+        return [i for i in range(len(self.manifest.chunks)) if i not in self._pieces]
+
+    def add(self, index: Any, data: Any) -> bool:
+        """Keep chunk ``index`` if it is one of the manifest's and matches its hash; False
+        (counted in ``rejected``) otherwise: it is asked for again."""
+        chunks = self.manifest.chunks
+        if type(index) is not int or not 0 <= index < len(chunks) or not isinstance(data, bytes):
+            self.rejected += 1
+            return False
+        expected = min(
+            self.manifest.chunk_bytes, self.manifest.size - index * self.manifest.chunk_bytes
+        )
+        if len(data) != expected or _sha(data) != chunks[index]:
+            self.rejected += 1
+            return False
+        self._pieces[index] = data
+        return True
+
+    def payload(self) -> bytes:
+        """The whole publication; WireError if a chunk is missing or the whole's hash fails."""
+        missing = self.missing()
+        if missing:
+            raise WireError(
+                f"weight version {self.manifest.version}: {len(missing)} chunks missing"
+            )
+        whole = b"".join(self._pieces[i] for i in range(len(self.manifest.chunks)))
+        if _sha(whole) != self.manifest.sha256:
+            self._pieces.clear()
+            raise WireError(f"weight version {self.manifest.version}: the whole's sha256 differs")
+        return whole
+
+
+class RateLimit:
+    """At most ``rate_bytes`` a second on average (0: unbounded), in bursts of one second's:
+    ``take(n)`` sleeps until ``n`` bytes may go."""
+
+    def __init__(self, rate_bytes: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        self.rate, self.clock, self.sleep = float(rate_bytes), clock, sleep
+        self._allowance, self._last = float(rate_bytes), clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit the rate."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            self._allowance = min(self.rate, self._allowance + (now - self._last) * self.rate)
+            self._last = now
+            self._allowance -= n
+            wait = -self._allowance / self.rate if self._allowance < 0 else 0.0
+        if wait > 0:
+            self.sleep(wait)
+
+
+class WireSource(Protocol):
+    """Where a ``WireChannel`` fetches from (the publisher in process, or requests to it over
+    the transport; each call may raise ``ConnectionError`` when the connection drops)."""
+
+    def newest(self) -> int | None: ...
+
+    def manifest(self, version: int) -> dict[str, Any]: ...
+
+    def chunk(self, version: int, index: int) -> bytes: ...
+
+
+class WirePublisher:
+    """The learner's side: publications kept in memory, served by chunk under a rate limit."""
+
+    def __init__(self, lora_sync: str = "merged", keep: int = 2, chunk_bytes: int = 8 << 20,
+                 rate_bytes: float = 0.0) -> None:  # fmt: skip
+        self.lora_sync, self.keep, self.chunk_bytes = lora_sync, max(int(keep), 1), chunk_bytes
+        self.rate = RateLimit(rate_bytes)
+        self._held: OrderedDict[int, tuple[Manifest, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def publish(self, model: torch.nn.Module, version: int) -> Manifest:
+        """Encode ``model``'s weights (``lora_sync`` for a LoRA model) as ``version``."""
+        kind, tensors = publishable_state(model, self.lora_sync)
+        manifest, payload = encode_publication(kind, tensors, version, self.chunk_bytes)
+        with self._lock:
+            self._held[manifest.version] = (manifest, payload)
+            while len(self._held) > self.keep:
+                self._held.popitem(last=False)
+        return manifest
+
+    def newest(self) -> int | None:
+        with self._lock:
+            return next(reversed(self._held), None)
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        return self._get(version)[0].as_dict()
+
+    def chunk(self, version: int, index: int) -> bytes:
+        manifest, payload = self._get(version)
+        if type(index) is not int or not 0 <= index < len(manifest.chunks):
+            raise WireError(f"weight version {version} has no chunk {index!r}")
+        start = index * manifest.chunk_bytes
+        data = payload[start : start + manifest.chunk_bytes]
+        self.rate.take(len(data))
+        return data
+
+    def _get(self, version: int) -> tuple[Manifest, bytes]:
+        with self._lock:
+            held = self._held.get(version)
+        if held is None:
+            raise WireError(f"weight version {version!r} is not held (pruned or never published)")
+        return held
+
+
+class WireChannel(WeightChannel):
+    """The sampler's side over a ``WireSource``: ``load`` fetches the newest version's missing
+    chunks (kept across dropped connections and calls), checks and decodes it, and applies it
+    only when complete. ``publish`` is the learner's (``WirePublisher``), not this side's."""
+
+    def __init__(self, source: WireSource, *, limits: WireLimits | None = None,
+                 version: int = 0) -> None:  # fmt: skip
+        super().__init__(version)
+        self.source, self.limits = source, limits or WireLimits()
+        self._pending: WireAssembler | None = None
+
+    def publish(self, model: torch.nn.Module, version: int, *, background: bool = False) -> None:
+        raise TypeError("a sampler's wire channel receives weights; the learner publishes them")
+
+    def newest(self) -> int | None:
+        return self.source.newest()
+
+    def load(self, model: torch.nn.Module, then: Callable[[], object] | None = None) -> bool:
+        """Fetch and apply the newest version if it is newer than ``version``; a dropped
+        connection (``ConnectionError``) leaves what arrived for the next call and loads
+        nothing now."""
+        newest = self.source.newest()
+        if newest is None or newest <= self.version:
+            return False
+        pending = self._pending
+        if pending is None or pending.manifest.version != newest:
+            manifest = Manifest.parse(self.source.manifest(newest), self.limits)
+            if manifest.version != newest:
+                raise WireError(f"asked for weight version {newest}, got {manifest.version}")
+            pending = self._pending = WireAssembler(manifest)
+        try:
+            for index in pending.missing():
+                pending.add(index, self.source.chunk(newest, index))
+        except ConnectionError:
+            return False
+        if pending.missing():
+            return False  # rejected chunks: asked for again at the next call
+        tensors = decode_publication(pending.payload())
+        self._pending = None
+        apply_state(model, pending.manifest.kind, tensors, f"weight version {newest} (wire)")
+        return self._hold(newest, then)
