@@ -7,6 +7,11 @@ over the adapter parameters only, and ``meta.json`` (base model, LoRA settings, 
 checkpoint I/O's meta, time). A checkpoint is written into a temporary directory, fsync'd and
 renamed into place, so a reader never sees half of one; loading checks every tensor's name and
 shape against the model first (``load_trainable``) and loads nothing that does not fit.
+
+Paths: a run id and a name are single path components of a fixed alphabet (no ``/``, none
+``.`` or ``..``), and nothing under ``ROOT`` that is a symbolic link is followed (a run, kind or
+checkpoint folder that is one is refused or left out, and so is a file in a checkpoint that is
+not a regular file: a FIFO would hang the worker), so every read and write stays in ``ROOT``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -87,11 +93,28 @@ class CheckpointStore:
     def folder(self, ref: CheckpointRef) -> Path:
         return self.root / ref.run / ref.kind / ref.name
 
+    def _no_links(self, ref: CheckpointRef) -> None:
+        """BadRequest when the run, kind or checkpoint folder of ``ref`` is a symbolic link
+        (never followed: it could lead out of ``root``)."""
+        path = self.root
+        for part in (ref.run, ref.kind, ref.name):
+            path = path / part
+            if path.is_symlink():
+                raise BadRequest(f"checkpoint {ref.path}: {part} is a symbolic link, not followed")
+
+    def has_run(self, run: str) -> bool:
+        """Whether ``run`` (a valid run id) has a folder of its own under ``root``."""
+        if not _RUN.fullmatch(run):
+            return False
+        path = self.root / run
+        return path.is_dir() and not path.is_symlink()
+
     def save(self, policy: Policy, ref: CheckpointRef, overwrite: bool = False) -> str:
         """Write ``policy``'s adapters (and, for ``weights``, its Adam state); returns the
         ``tinker://`` path. BadRequest if it exists and not ``overwrite``."""
         if policy.lora is None:
             raise BadRequest("a model without LoRA adapters has no weights of its own to save")
+        self._no_links(ref)
         target = self.folder(ref)
         if target.exists() and not overwrite:
             raise BadRequest(f"checkpoint {ref.path} already exists (pass overwrite=True)")
@@ -118,10 +141,18 @@ class CheckpointStore:
         return ref.path
 
     def meta(self, ref: CheckpointRef) -> dict[str, Any]:
-        """The checkpoint's meta.json; BadRequest (404) when there is none."""
-        path = self.folder(ref) / META
+        """The checkpoint's meta.json; BadRequest (404) when there is none, BadRequest when a
+        folder on its path is a link or a file in it is not a regular file."""
+        self._no_links(ref)
+        folder = self.folder(ref)
+        path = folder / META
         if not path.is_file():
             raise BadRequest(f"no checkpoint {ref.path} on this service", status=404)
+        for entry in folder.iterdir():
+            if not stat.S_ISREG(entry.lstat().st_mode):
+                raise BadRequest(
+                    f"checkpoint {ref.path} is damaged: {entry.name} is not a regular file"
+                )
         meta = read_json_file(path)
         if not isinstance(meta, dict) or not isinstance(meta.get("lora"), dict):
             raise BadRequest(f"checkpoint {ref.path} is damaged (meta.json)")
@@ -159,16 +190,25 @@ class CheckpointStore:
 
     def listing(self, run: str | None = None) -> list[dict[str, Any]]:
         """The Tinker ``Checkpoint`` records of one run (or all), oldest first."""
-        records = []
+        records: list[dict[str, Any]] = []
+        if run is not None and not self.has_run(run):
+            return records
         runs = [self.root / run] if run is not None else sorted(self.root.glob("*"))
         for run_dir in runs:
+            if run_dir.is_symlink() or not _RUN.fullmatch(run_dir.name):
+                continue
             for kind, kind_name in KINDS.items():
+                if (run_dir / kind).is_symlink():
+                    continue
                 for folder in sorted((run_dir / kind).glob("*")):
                     meta_path = folder / META
-                    if folder.name.startswith(".") or not meta_path.is_file():
+                    if folder.name.startswith(".") or folder.is_symlink():
+                        continue
+                    if meta_path.is_symlink() or not meta_path.is_file():
                         continue
                     ref = CheckpointRef(run_dir.name, kind, folder.name)
-                    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+                    sizes = [p.lstat() for p in folder.iterdir()]
+                    size = sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))
                     stamp = datetime.fromtimestamp(meta_path.stat().st_mtime, UTC)
                     records.append(
                         {

@@ -32,6 +32,7 @@ __all__ = [
     "Datum",
     "ForwardBackwardRequest",
     "Limits",
+    "Span",
     "encode_forward_backward_output",
     "encode_sample_response",
     "model_input_tokens",
@@ -54,20 +55,39 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one request: datums, tokens of one sequence, tokens of all sequences."""
+    """Bounds on one request: datums, tokens of one sequence, tokens of all sequences, and
+    ``loss_fn_inputs`` of one datum (each as long as its tokens)."""
 
     max_datums: int = 1024
     max_sequence_tokens: int = 8192
     max_total_tokens: int = 262_144
+    max_inputs: int = 16
+
+
+@dataclass(frozen=True)
+class Span:
+    """One provenance run of a datum (``PromptProvenanceSpan`` / ``SampledProvenanceSpan``):
+    ``length`` consecutive positions that are positions ``[offset, offset + length)`` of the
+    named sequence's request prompt (``kind`` "prompt") or sampled tokens ("sampled")."""
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
 
 
 @dataclass
 class Datum:
-    """One training example: the input token ids and the loss inputs (1-D tensors, each as
-    long as the input)."""
+    """One training example: the input token ids, the loss inputs (1-D tensors, each as long
+    as the input) and, when the client gave them, its provenance runs tiling the input tokens
+    and the targets (``Datum.with_provenance``; checked against the stability records only for
+    ``stable_reinforce``, whose recorded sampler log-probs land in ``recorded``)."""
 
     tokens: list[int]
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_spans: list[Span] | None = None
+    target_spans: list[Span] | None = None
+    recorded: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,9 +113,13 @@ def _check_tokens(tokens: list[int], limits: Limits) -> list[int]:
     return tokens
 
 
-def _tensor_from_proto(body: bytes, limits: Limits) -> torch.Tensor:
-    """A ``Tensor`` message (dense or sparse CSR, float32/int64/int32) as a 1-D torch tensor
-    (a 2-D one is flattened row by row; a CSR one is filled with zeros)."""
+def _tensor_from_proto(body: bytes, length: int) -> torch.Tensor:
+    """A ``Tensor`` message (dense or sparse CSR, float32/int64/int32) of ``length`` values as
+    a 1-D torch tensor (a 2-D one is flattened row by row; a CSR one is filled with zeros).
+    Its size is checked against ``length`` before anything is allocated, and a CSR tensor's
+    index arrays are checked (row pointers from 0 to the value count, never decreasing; column
+    indices inside the shape) before it is filled in, with numpy (torch's CSR constructor does
+    not check them, and ``to_dense`` of row pointers that decrease crashed the process)."""
     fields = read_fields(body, 64)
     dtype = as_int(fields, 3)
     if dtype not in _NUMPY:
@@ -103,10 +127,11 @@ def _tensor_from_proto(body: bytes, limits: Limits) -> torch.Tensor:
     shape = packed_ints(fields, 4, 8)
     if any(s < 0 for s in shape):
         raise BadRequest(f"tensor shape {shape} has a negative size")
-    size = int(np.prod(shape)) if shape else None
-    if size is not None and size > limits.max_sequence_tokens * 64:
-        raise BadRequest(f"a tensor of {size} values is larger than this service takes")
+    size = int(np.prod(shape, dtype=object)) if shape else None
+    if size is not None and size != length:
+        raise BadRequest(f"a tensor of shape {shape} has {size} values, not {length}")
     np_dtype = np.dtype(_NUMPY[dtype])
+    out_dtype = np.float32 if dtype == DTYPE_FLOAT32 else np.int64
     if 2 in fields:
         csr = read_fields(as_bytes(fields, 2), 16)
         values = _array(as_bytes(csr, 1), np_dtype)
@@ -114,20 +139,20 @@ def _tensor_from_proto(body: bytes, limits: Limits) -> torch.Tensor:
         cols = _array(as_bytes(csr, 3), np.dtype(np.int64))
         if len(shape) != 2 or len(crow) != shape[0] + 1 or len(cols) != len(values):
             raise BadRequest("a sparse CSR tensor needs a 2-D shape and matching index arrays")
-        dense = torch.sparse_csr_tensor(
-            torch.from_numpy(crow.copy()),
-            torch.from_numpy(cols.copy()),
-            torch.from_numpy(values.copy()),
-            size=tuple(shape),
-        )
-        try:
-            return dense.to_dense().flatten()
-        except RuntimeError as err:
-            raise BadRequest(f"a sparse CSR tensor is inconsistent: {err}") from None
+        steps = np.diff(crow)
+        if crow[0] != 0 or crow[-1] != len(values) or bool((steps < 0).any()):
+            raise BadRequest(
+                "a sparse CSR tensor's row pointers must rise from 0 to its value count"
+            )
+        if len(cols) and (int(cols.min()) < 0 or int(cols.max()) >= shape[1]):
+            raise BadRequest(f"a sparse CSR tensor has a column index outside its shape {shape}")
+        dense = np.zeros(tuple(shape), dtype=out_dtype)
+        dense[np.repeat(np.arange(shape[0]), steps), cols] = values
+        return torch.from_numpy(dense.reshape(-1))
     values = _array(as_bytes(fields, 1), np_dtype)
-    if size is not None and size != len(values):
-        raise BadRequest(f"tensor shape {shape} does not match its {len(values)} values")
-    return torch.from_numpy(values.astype(np.int64 if dtype != DTYPE_FLOAT32 else np.float32))
+    if len(values) != length:
+        raise BadRequest(f"a tensor of {len(values)} values, not {length}")
+    return torch.from_numpy(values.astype(out_dtype))
 
 
 def _array(raw: bytes, dtype: np.dtype) -> np.ndarray:
@@ -137,7 +162,7 @@ def _array(raw: bytes, dtype: np.dtype) -> np.ndarray:
 
 
 def _datum_from_proto(body: bytes, limits: Limits) -> Datum:
-    fields = read_fields(body, limits.max_sequence_tokens + 64)
+    fields = read_fields(body, limits.max_sequence_tokens + limits.max_inputs + 64)
     tokens: list[int] = []
     for chunk in fields.get(1, []):
         parts = read_fields(chunk, 8) if isinstance(chunk, bytes) else {}
@@ -148,16 +173,45 @@ def _datum_from_proto(body: bytes, limits: Limits) -> Datum:
         if len(tokens) > limits.max_sequence_tokens:
             break
     datum = Datum(_check_tokens(tokens, limits))
-    for entry in fields.get(2, []):
+    entries = fields.get(2, [])
+    if len(entries) > limits.max_inputs:
+        raise BadRequest(
+            f"a datum has {len(entries)} loss_fn_inputs; this service takes at most "
+            f"{limits.max_inputs}"
+        )
+    for entry in entries:
         pair = read_fields(entry, 4) if isinstance(entry, bytes) else {}
         name = text(as_bytes(pair, 1), 64)
-        value = _tensor_from_proto(as_bytes(pair, 2), limits)
-        if len(value) != len(tokens):
-            raise BadRequest(
-                f"loss_fn_inputs[{name!r}] has {len(value)} values for {len(tokens)} input tokens"
-            )
-        datum.inputs[name] = value
+        try:
+            datum.inputs[name] = _tensor_from_proto(as_bytes(pair, 2), len(tokens))
+        except BadRequest as err:
+            raise BadRequest(f"loss_fn_inputs[{name!r}]: {err}") from None
+    if 3 in fields or 4 in fields:
+        datum.input_spans = _spans(fields.get(3, []), len(tokens), "model_input_spans")
+        datum.target_spans = _spans(fields.get(4, []), len(tokens), "loss_fn_input_spans")
     return datum
+
+
+def _spans(entries: list, length: int, name: str) -> list[Span]:
+    """Provenance runs (``ProvenanceSpan`` messages) that must tile ``length`` positions."""
+    spans: list[Span] = []
+    for entry in entries:
+        arms = read_fields(entry, 4) if isinstance(entry, bytes) else {}
+        kind = "prompt" if 1 in arms else "sampled" if 2 in arms else None
+        if kind is None:
+            raise BadRequest(f"{name}: a run is neither prompt_tokens nor sampled_tokens")
+        run = read_fields(as_bytes(arms, 1 if kind == "prompt" else 2), 8)
+        sequence_id = text(as_bytes(run, 1), 256)
+        offset, size = as_int(run, 2), as_int(run, 3)
+        if not sequence_id or offset < 0 or size < 0:
+            raise BadRequest(f"{name}: a run needs a sequence_id, offset >= 0 and length >= 0")
+        spans.append(Span(kind, sequence_id, offset, size))
+        length -= size
+        if length < 0:
+            break
+    if length != 0:
+        raise BadRequest(f"{name}: the runs' lengths do not add up to the datum's positions")
+    return spans
 
 
 def parse_forward_backward(body: bytes, limits: Limits) -> ForwardBackwardRequest:
@@ -169,12 +223,16 @@ def parse_forward_backward(body: bytes, limits: Limits) -> ForwardBackwardReques
             raise BadRequest("forward_backward needs at least one datum")
         if len(data) > limits.max_datums:
             raise BadRequest(f"{len(data)} datums in one request; the limit is {limits.max_datums}")
-        datums = [_datum_from_proto(d, limits) for d in data if isinstance(d, bytes)]
-        total = sum(len(d.tokens) for d in datums)
-        if total > limits.max_total_tokens:
-            raise BadRequest(
-                f"{total} tokens in one request; the limit is {limits.max_total_tokens}"
-            )
+        datums, total = [], 0
+        for raw in data:  # the total is checked as it grows, before the next datum is decoded
+            if not isinstance(raw, bytes):
+                raise BadRequest("a datum must be a message")
+            datums.append(_datum_from_proto(raw, limits))
+            total += len(datums[-1].tokens)
+            if total > limits.max_total_tokens:
+                raise BadRequest(
+                    f"more than {limits.max_total_tokens} tokens in one request (the limit)"
+                )
         config: dict[str, float | str] = {}
         for entry in fields.get(5, []):
             pair = read_fields(entry, 4) if isinstance(entry, bytes) else {}

@@ -11,8 +11,19 @@ itself insists on a key that starts with ``tml-``.
 Bounded: a body is at most ``MAX_BODY_BYTES``; JSON bodies are parsed with
 ``creditrl.bounded_json``; a refused request is a 4xx JSON ``{"detail": message}``, which the
 SDK raises as its own ``BadRequestError`` (400), ``NotFoundError`` (404) and so on; a failed
-job is Tinker's ``RequestFailedError`` with the message. A client that disconnects only
-cancels its own wait; its jobs finish and their results are dropped in time.
+job is Tinker's ``RequestFailedError`` with the message; a failure of the service's own is a
+one-line 500, logged once. A client that disconnects only cancels its own wait; its jobs
+finish and their results are dropped in time.
+
+Connections are bounded too (slow or idle clients): a connection that sends no complete
+request head within ``IDLE_TIMEOUT_S`` (or stays idle that long between requests) is closed;
+a body that does not arrive within ``IDLE_TIMEOUT_S`` is answered 408 and its connection
+closed; at most ``max_connections`` are open: past it, the oldest connections that have not
+yet had a request served (a half-sent head, a trickled body) are dropped for a new one, and a
+new one is refused when every open connection has had one. Each is counted in ``refused``
+(``connection_dropped``, ``connection_refused``; a late body as ``http_408``). The SDK is
+told to keep at most ``SAMPLE_CONCURRENCY`` sampling requests in flight (each holds a
+connection while it polls), so that one client's sampling stays within the limit.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import asyncio
 import hmac
 import logging
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,6 +51,11 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 << 20
 JSON_LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_depth=32, max_items=1 << 21)
 POLL_WAIT_S = 10.0
+IDLE_TIMEOUT_S = 30.0  # a request head, a body, or the wait between two requests
+MAX_CONNECTIONS = 256
+SAMPLE_CONCURRENCY = 128  # sampling requests one SDK client keeps in flight
+BACKLOG = 64
+MAX_HEAD_BYTES = 8190  # one request line or header field
 PROTO = "application/x-protobuf"
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
@@ -49,6 +66,7 @@ CLIENT_CONFIG = {
     "sample_use_retrieve_futures": False,
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
+    "sample_max_concurrent_requests": SAMPLE_CONCURRENCY,
 }
 UNSUPPORTED = {
     "save_weights_external": "exporting weights (save_weights_external)",
@@ -66,18 +84,36 @@ def _detail(message: str, status: int) -> web.Response:
     return web.json_response({"detail": message}, status=status)
 
 
+class _Refuse(asyncio.Protocol):
+    """A connection over the limit: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
 class TinkerServer:
     """``start()`` binds ``host:port`` (0: a free port) and serves ``Service`` on a daemon
-    thread until ``close()``."""
+    thread until ``close()``. ``refused`` counts refused requests and connections by kind;
+    ``max_connections`` and ``idle_timeout_s`` bound the connections (module docstring)."""
 
     def __init__(
-        self, settings: Settings, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None
+        self,
+        settings: Settings,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.settings = settings
         self.host, self.port, self.api_key = unbracketed(host), port, api_key  # [::1]: ::1
+        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
         self.loop = asyncio.new_event_loop()
         self.service = Service(settings, self.loop)
-        self.refused = 0
+        self.refused: Counter[str] = Counter()
+        self._served: set[Any] = set()  # connections (protocols) that have had a request served
+        self._server: asyncio.AbstractServer | None = None
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -90,6 +126,9 @@ class TinkerServer:
         asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(timeout=60)
 
     def close(self) -> None:
+        if self._server is not None:
+            self.loop.call_soon_threadsafe(self._server.close)
+            self._server = None
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=30)
             self._runner = None
@@ -134,11 +173,37 @@ class TinkerServer:
             "/api/v1/checkpoints", self._get(lambda _: self.service.list_checkpoints(None))
         )
         app.router.add_route("*", "/api/v1/{tail:.*}", self._unsupported)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.idle_timeout_s,
+            lingering_time=1.0,
+            max_line_size=MAX_HEAD_BYTES,
+            max_field_size=MAX_HEAD_BYTES,
+            shutdown_timeout=5.0,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the port bound (0: chosen)
+        self._server = await self.loop.create_server(
+            self._accept, self.host, self.port, backlog=BACKLOG
+        )
+        self.port = self._server.sockets[0].getsockname()[1]  # the port bound (0: chosen)
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        """A new connection's protocol, within ``max_connections`` (module docstring)."""
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        open_now = [c for c in server.connections if c.transport and not c.transport.is_closing()]
+        self._served &= set(open_now)
+        excess = len(open_now) + 1 - self.max_connections
+        for conn in [c for c in open_now if c not in self._served][: max(excess, 0)]:
+            conn.force_close()
+            self.refused["connection_dropped"] += 1
+            excess -= 1
+        if excess > 0:
+            self.refused["connection_refused"] += 1
+            return _Refuse()
+        return server()
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -146,21 +211,40 @@ class TinkerServer:
         if self.api_key is not None:
             given = request.headers.get("X-API-Key", "")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                self.refused += 1
+                self.refused["api_key"] += 1
                 return _detail("wrong or missing API key (TINKER_API_KEY)", 401)
+        self._served.add(request.protocol)
         try:
             return await handler(request)
         except BadRequest as err:
-            self.refused += 1
+            self.refused[f"http_{err.status}"] += 1
             return _detail(str(err), err.status)
         except web.HTTPRequestEntityTooLarge:
-            self.refused += 1
+            self.refused["body_too_large"] += 1
             return _detail(f"request body over {MAX_BODY_BYTES} bytes", 413)
+        except web.HTTPException:
+            raise
+        except Exception as err:  # a failure of ours: one line, never a traceback per request
+            self.refused["internal_error"] += 1
+            log.warning("tinker service: %s: %s", type(err).__name__, str(err)[:200])
+            return _detail(f"the service failed on this request: {type(err).__name__}", 500)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, within ``MAX_BODY_BYTES`` (413) and ``idle_timeout_s`` (408, and the
+        connection is closed after the answer)."""
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            request.protocol.close()
+            raise BadRequest(
+                f"the body did not arrive within {self.idle_timeout_s:g} s", status=408
+            ) from None
 
     async def _body(self, request: web.Request) -> dict:
         if request.headers.get("Content-Encoding", "identity") != "identity":
             raise BadRequest("compressed request bodies are not accepted", status=415)
-        raw = await request.read()
+        raw = await self._read(request)
         try:
             body = loads_bounded(raw or b"{}", JSON_LIMITS, allow_nan=False)
         except (JsonLimitError, ValueError) as err:
@@ -205,7 +289,7 @@ class TinkerServer:
             raise BadRequest("forward_backward takes a protocol-buffer body", status=415)
         if request.headers.get("Content-Encoding", "identity") != "identity":
             raise BadRequest("compressed request bodies are not accepted", status=415)
-        parsed = parse_forward_backward(await request.read(), self.settings.limits)
+        parsed = parse_forward_backward(await self._read(request), self.settings.limits)
         return web.json_response(self.service.forward_backward(parsed))
 
     async def _retrieve(self, request: web.Request) -> web.StreamResponse:

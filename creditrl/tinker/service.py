@@ -12,6 +12,7 @@ sampling at most ``max_num_samples`` samples of at most ``max_sample_tokens`` to
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from creditrl.models import resolve_model_path
 from creditrl.models.embedded import EMBEDDED_NAME
 from creditrl.tinker.checkpoints import CheckpointRef, CheckpointStore
 from creditrl.tinker.futures import Failure, FutureTable, ProtoResult, outcome
+from creditrl.tinker.losses import LOSSES
 from creditrl.tinker.messages import (
     BadRequest,
     ForwardBackwardRequest,
@@ -35,12 +37,14 @@ from creditrl.tinker.messages import (
 )
 from creditrl.tinker.policy import AdamStep, LoraSpec, Policy, SampleParams
 from creditrl.tinker.records import RunRecord
+from creditrl.tinker.stability import StabilityRecords
 
 __all__ = ["EMBEDDED_ALIASES", "Service", "Settings"]
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME, f"HuggingFaceTB/{EMBEDDED_NAME}")
 SESSION_TIMEOUT_S = 600.0
 SAMPLE_GROUP = 32  # sampling requests answered by one engine call at most
+MAX_CHECKED = 64  # base model names whose directory check is remembered
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Settings:
     max_kept: int = 256
     max_num_samples: int = 64
     max_sample_tokens: int = 2048
+    max_recorded_tokens: int = 4_000_000  # stable_reinforce's records, prompts + samples
     limits: Limits = field(default_factory=Limits)
 
 
@@ -79,6 +84,8 @@ class SampleWanted:
     params: SampleParams
     with_prompt: bool
     last_n: int | None
+    ids: tuple[str, ...] = ()  # the sequence ids the client was given
+    record: bool = False  # record_stability_info: keep the samples for stable_reinforce
 
 
 @dataclass
@@ -101,7 +108,31 @@ def _number(body: dict, key: str, default: float, kind: type = float) -> Any:
         raise BadRequest(f"{key} must be an integer")
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise BadRequest(f"{key} must be a number")
+    if not math.isfinite(value):  # JSON's 1e400 decodes to inf
+        raise BadRequest(f"{key} must be a finite number")
     return kind(value)
+
+
+def _check_step(
+    policy: Policy, before: dict[str, torch.Tensor], metrics: dict[str, float], step: AdamStep
+) -> None:
+    """BadRequest when an optim_step did not leave finite weights: a gradient whose norm is
+    not finite was dropped unapplied; a step that made a weight non-finite (a huge
+    ``learning_rate``) is undone (the adapters are restored). Either way the answer holds no
+    NaN or Infinity, which the SDK cannot read as JSON."""
+    norm = metrics.get("grad_norm:mean", 0.0)
+    if not math.isfinite(norm):
+        raise BadRequest(
+            f"the accumulated gradient's norm is {norm}: the step was skipped and the "
+            "gradient dropped (check the loss_fn_inputs of the forward_backward calls)"
+        )
+    after = policy.adapter_state()
+    if not all(bool(torch.isfinite(v).all()) for v in after.values()):
+        policy.load_adapter(before)
+        raise BadRequest(
+            f"the step with learning_rate={step.learning_rate:g} made weights non-finite; "
+            "they were restored as before the step"
+        )
 
 
 def _string(body: dict, key: str, required: bool = True) -> str | None:
@@ -128,21 +159,35 @@ class Service:
         self.lock = threading.Lock()
         self.waiting: list[SampleWanted] = []  # sampling requests not yet taken by the worker
         self.draining = False
+        self.stability = StabilityRecords(settings.max_recorded_tokens)
+        self.checked: dict[str, str] = {}  # base model directories that passed their checks
 
     # ---- models and sessions ---------------------------------------------------------------
 
     def base_directory(self, name: str) -> str:
         """The local directory of base model ``name``: the embedded model's names, a name
         given with ``--model NAME=DIR``, or a local model directory."""
+        if not isinstance(name, str):
+            raise BadRequest("base_model must be a non-empty string")
+        if name in self.checked:  # a flood of requests naming one model checks it once
+            return self.checked[name]
         if name in EMBEDDED_ALIASES:
-            return str(resolve_model_path("embedded"))
-        if name in self.settings.models:
-            return str(resolve_model_path(self.settings.models[name]))
-        if Path(name).is_absolute():
+            path = "embedded"
+        elif name in self.settings.models:
+            path = self.settings.models[name]
+        elif Path(name).is_absolute():
+            path = name
+        else:
+            path = None
+        if path is not None:
             try:
-                return str(resolve_model_path(name))
+                directory = str(resolve_model_path(path))
             except (OSError, ValueError) as err:
                 raise BadRequest(f"base model {name!r}: {err}") from None
+            if len(self.checked) >= MAX_CHECKED:
+                self.checked.clear()
+            self.checked[name] = directory
+            return directory
         known = ", ".join([*EMBEDDED_ALIASES, *self.settings.models])
         raise BadRequest(
             f"base model {name!r} is not served here; use one of {known}, or the absolute "
@@ -191,6 +236,7 @@ class Service:
                 record.close()
         for sampler_id in session.samplers:
             self.samplers.pop(sampler_id, None)
+        self.stability.drop_session(sid)
 
     def policy(self, model_id: Any) -> Policy:
         policy = self.policies.get(model_id) if isinstance(model_id, str) else None
@@ -283,8 +329,13 @@ class Service:
     def forward_backward(self, request: ForwardBackwardRequest) -> dict:
         policy, record = self.trainee(request.model_id)
 
+        spec = LOSSES.get(request.loss_fn)
+        session_id = request.model_id.split(":", 1)[0]
+
         def job() -> ProtoResult:
             start = time.perf_counter()
+            if spec is not None and spec.provenance:  # stable_reinforce: the recorded samples
+                self.stability.attach(session_id, request.data)
             logprobs, metrics = policy.forward_backward(
                 request.data, request.loss_fn, request.config, request.forward_only
             )
@@ -313,8 +364,10 @@ class Service:
 
         def job() -> dict:
             start = time.perf_counter()
+            before = policy.adapter_state()
             metrics = policy.optim_step(step)
             record.timed("optim_step", time.perf_counter() - start)
+            _check_step(policy, before, metrics, step)
             record.stepped(metrics)
             return {"type": "optim_step", "metrics": metrics}
 
@@ -372,7 +425,7 @@ class Service:
             return self._future(load_into, body["model_id"])
         session = self.session(body.get("session_id"))
         base, spec = self.store.lora_of(ref)
-        base = body.get("base_model") or base
+        base = _string(body, "base_model", required=False) or base
         directory = self.base_directory(base)
         model_id = self._reserve_model(session, body.get("model_seq_id"))
 
@@ -388,8 +441,8 @@ class Service:
         return self._future(create_from, model_id)
 
     def list_checkpoints(self, run: str | None) -> dict:
-        if run is not None and run not in self.policies and not (self.store.root / run).is_dir():
-            raise BadRequest(f"no training run {run!r} on this service", status=404)
+        if run is not None and not self.store.has_run(run) and run not in self.policies:
+            raise BadRequest(f"no training run {run!r:.300} on this service", status=404)
         records = self.store.listing(run)
         return {
             "checkpoints": records,
@@ -514,9 +567,8 @@ class Service:
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(key):
                 raise BadRequest(f"{key} is not supported by this local service")
-        for key in ("target_prompt_logprobs", "record_stability_info"):
-            if body.get(key):
-                raise BadRequest(f"{key} is not supported by this local service")
+        if body.get("target_prompt_logprobs"):
+            raise BadRequest("target_prompt_logprobs is not supported by this local service")
         with_prompt = bool(body.get("prompt_logprobs"))
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and (type(last_n) is not int or not 1 <= last_n < len(prompt)):
@@ -525,18 +577,21 @@ class Service:
         if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 62):
             raise BadRequest("seed must be an integer in [0, 2^62)")
         request_id = self.futures.reserve()
-        wanted = SampleWanted(request_id, sampler, prompt, num, seed, params, with_prompt, last_n)
+        ids = tuple(f"{sampler.id}:{request_id}:{i}" for i in range(num))
+        record = bool(body.get("record_stability_info"))
+        wanted = SampleWanted(
+            request_id, sampler, prompt, num, seed, params, with_prompt, last_n, ids, record
+        )
         with self.lock:
             self.waiting.append(wanted)
             start = not self.draining
             self.draining = True
         if start:
             self.futures.run(self._drain)
-        ids = [f"{sampler.id}:{request_id[:8]}:{i}" for i in range(num)]
         return {
             "request_id": request_id,
             "model_id": None,
-            "sample_sequence_ids": ids,
+            "sample_sequence_ids": list(ids),
         }
 
     def _drain(self) -> None:
@@ -570,6 +625,9 @@ class Service:
                     scored = [float("nan")] * cut + scored[cut:]
                 if record is not None:
                     record.sampled([len(s.tokens) for s in sequences])
+                if wanted.record:
+                    session_id = sampler.id.split(":", 1)[0]
+                    self.stability.add(session_id, wanted.ids, wanted.prompt, sequences)
                 results.append(ProtoResult(encode_sample_response(sequences, scored)))
         if record is not None:
             record.timed("sample", time.perf_counter() - start)
