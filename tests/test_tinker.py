@@ -187,8 +187,8 @@ def test_sdk_drives_every_supported_call(server: TinkerServer, client, trainer) 
 
 def test_unsupported_calls_get_the_sdks_error_with_a_message(trainer) -> None:
     tokens = [1, 2, 3, 4]
-    with pytest.raises(tinker.RequestFailedError, match=r"dro.*not supported"):
-        trainer.forward([_datum(tokens)], "dro").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"server-side custom losses are not"):
+        trainer.forward([_datum(tokens)], "custom").result()
     with pytest.raises(tinker.BadRequestError, match="not supported"):
         trainer.save_weights_external("x").result()
     with pytest.raises(tinker.RequestFailedError, match="lacks loss_fn_inputs"):

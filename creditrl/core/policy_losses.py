@@ -167,11 +167,13 @@ def compute_policy_loss_gspo(
     loss_agg_mode: str = "token-mean",
     config: PolicyLossConfig | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    ratio_mask: torch.Tensor | None = None,
     **agg_kwargs: float | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token (arXiv:2507.18071; verl's ``compute_policy_loss_gspo``).
 
-    Sequence log-ratio over the valid steps of response i (m the mask, |y_i| = sum_t m_{i,t}):
+    Sequence log-ratio over the steps m of response i that ``ratio_mask`` marks (non-zero;
+    default ``response_mask``), |y_i| = sum_t m_{i,t}:
 
         log s_i = (1 / max(|y_i|, 1)) sum_t m_{i,t} (log π_θ(y_{i,t}) - log π_old(y_{i,t}))
 
@@ -180,11 +182,13 @@ def compute_policy_loss_gspo(
         s_{i,t} = exp(min(log π_θ(y_{i,t}) - sg[log π_θ(y_{i,t})] + sg[log s_i], 10))
         l = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - ε_low, 1 + ε_high))
 
-    No dual clip (``pg_clipfrac_lower`` = 0). verl always aggregates GSPO with
-    ``seq-mean-token-mean`` (the paper's choice); here the caller's ``loss_agg_mode`` is used.
+    The loss is aggregated over ``response_mask``, which may differ from ``ratio_mask`` (Tinker's
+    ``sequence_ratio_mask``). No dual clip (``pg_clipfrac_lower`` = 0). verl always aggregates
+    GSPO with ``seq-mean-token-mean`` (the paper's choice); here the caller's mode is used.
     """
     cfg = config or PolicyLossConfig()
-    mask = response_mask.to(log_prob.dtype)
+    in_ratio = response_mask if ratio_mask is None else ratio_mask != 0
+    mask = in_ratio.to(log_prob.dtype)
     lengths = mask.sum(-1).clamp(min=1.0)
     seq_log_ratio = ((log_prob - old_log_prob) * mask).sum(-1) / lengths
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)

@@ -27,7 +27,7 @@ from creditrl.config.schema import OptimConfig, RolloutConfig
 from creditrl.models import apply_lora, load_causal_lm, load_tokenizer
 from creditrl.rollout.hf_engine import HFRolloutEngine
 from creditrl.rollout.sampling import eos_token_ids_of
-from creditrl.tinker.losses import check_loss, tinker_loss
+from creditrl.tinker.losses import check_loss, loss_inputs, tinker_loss
 from creditrl.tinker.messages import BadRequest, Datum, SampledSequence
 from creditrl.workers.forward import policy_forward
 from creditrl.workers.optim import build_optimizer
@@ -111,15 +111,6 @@ def datum_batch(datums: Sequence[Datum], pad_id: int) -> Batch:
             "response_mask": attention[:, 1:].clone(),
         }
     )
-
-
-def _padded(datums: Sequence[Datum], name: str, width: int) -> torch.Tensor | None:
-    if not all(name in d.inputs for d in datums):
-        return None
-    out = torch.zeros((len(datums), width), dtype=torch.float32)
-    for i, datum in enumerate(datums):
-        out[i, : len(datum.tokens)] = datum.inputs[name].float()
-    return out
 
 
 def _micro_batches(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:
@@ -231,6 +222,8 @@ class Policy:
         added to the adapters' (until ``optim_step``) unless ``forward_only``."""
         spec = check_loss(loss_fn, config)
         self.check_datums(datums, spec.inputs)
+        if spec.provenance and any(d.recorded is None for d in datums):
+            raise BadRequest(f"{loss_fn} needs every datum's recorded sampler log-probs")
         if not forward_only and self.optimizer is None:
             raise BadRequest("this model has no trainable weights")
         outputs: list[torch.Tensor] = []
@@ -240,22 +233,15 @@ class Policy:
         for part in _micro_batches(datums, MICRO_BATCH_TOKENS):
             batch = datum_batch(part, self.pad_id)
             width = batch["responses"].shape[1]
-            inputs = {
-                name: value
-                for name in ("weights", "logprobs", "advantages")
-                if (value := _padded(part, name, width)) is not None
-            }
+            inputs = loss_inputs(part, width)
             mask = batch["response_mask"].float()
-            trained = inputs.get("advantages", inputs.get("weights"))
-            if trained is not None:  # positions weighted 0 add nothing; metrics skip them
-                mask = mask * (trained != 0)
             with torch.set_grad_enabled(not forward_only):
                 log_prob, _ = policy_forward(self.module, batch)
-                loss, metrics = tinker_loss(loss_fn, config, log_prob, inputs, mask)
+                # n: the positions trained on, which the loss's ":mean" metrics average over
+                loss, metrics, n = tinker_loss(loss_fn, config, log_prob, inputs, mask)
             if not forward_only:
                 loss.backward()
                 self.pending_grad = True
-            n = float(mask.sum())
             tokens += n
             for key, value in metrics.items():
                 weight = n if key.endswith(":mean") else 1.0

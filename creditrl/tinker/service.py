@@ -2,11 +2,13 @@
 samplers, checkpoints and futures. Each operation takes a checked JSON body (a dict) or a
 decoded message and returns a JSON-able dict, or submits a job to the ``FutureTable`` and
 returns Tinker's ``UntypedAPIFuture``; the jobs call ``Policy`` (creditrl's workers, losses and
-engine) and ``CheckpointStore`` (creditrl's checkpoint I/O), nothing else.
+engine), ``CheckpointStore`` (creditrl's checkpoint I/O) and ``StabilityRecords`` (the samples
+recorded with ``record_stability_info``, which ``stable_reinforce`` datums name), nothing else.
 
 Bounded: ``max_sessions`` sessions (one silent for ``SESSION_TIMEOUT_S`` is dropped, with its
 models, when room is needed), ``max_models`` models loaded at once, ``max_samplers`` samplers,
-sampling at most ``max_num_samples`` samples of at most ``max_sample_tokens`` tokens.
+sampling at most ``max_num_samples`` samples of at most ``max_sample_tokens`` tokens, at most
+``max_recorded_tokens`` recorded prompt and sampled tokens.
 """
 
 from __future__ import annotations
