@@ -247,13 +247,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def trainer(server):
+def client(server):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TINKER_BASE_URL", server.base_url)
         mp.setenv("TINKER_API_KEY", "tml-local")
-        client = tinker.ServiceClient()
-        yield client.create_lora_training_client(base_model=str(tiny_model_dir()), rank=4).result()
-        client.close("success")
+        service_client = tinker.ServiceClient()
+        yield service_client
+        service_client.close("success")
+
+
+@pytest.fixture(scope="module")
+def trainer(client):
+    return client.create_lora_training_client(base_model=str(tiny_model_dir()), rank=4).result()
 
 
 def _reference(server, model_id: str, tokens: list[int]) -> torch.Tensor:
@@ -346,7 +351,7 @@ def test_gspo_and_dro_through_the_sdk(server, trainer) -> None:
     assert dro.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
 
 
-def test_forward_backward_custom_is_served(server, trainer) -> None:
+def test_forward_backward_custom_is_served(server, client, trainer) -> None:
     tokens = [1, 40, 41, 42, 43]
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -363,3 +368,14 @@ def test_forward_backward_custom_is_served(server, trainer) -> None:
     # the server ran cross_entropy with weights -dC/dlp = -2 lp: sum of 2 lp^2
     assert result.metrics["surrogate_loss:sum"] == pytest.approx(float(2 * (lp**2).sum()), rel=1e-4)
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    # a loss made with create_custom_loss runs client-side too (custom_loss_server_side: false)
+    def cubed(logprobs):
+        return (logprobs**3).sum(), {"custom/cubed:sum": (logprobs**3).sum()}
+
+    handle = client.create_custom_loss(cubed, {"logprobs": 1}).result()
+    assert handle.loss_id is None
+    lp = _reference(server, trainer.model_id, tokens)
+    result = trainer.forward_backward_custom([datum], handle).result()
+    assert result.metrics["loss:sum"] == pytest.approx(float((lp**3).sum()), rel=1e-4)
+    assert result.metrics["surrogate_loss:sum"] == pytest.approx(float(3 * (lp**3).sum()), rel=1e-4)
