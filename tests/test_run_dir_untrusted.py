@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from helpers import restore_registries, tiny_trainer_config
+from test_run_files import within
 
 from creditrl.batch import Batch
 from creditrl.cli import main
@@ -191,7 +192,7 @@ def test_a_teacher_runs_config_yaml_gets_the_model_directory_file_checks(tmp_pat
     outside = tmp_path / "elsewhere.yaml"
     outside.write_text("model:\n  path: embedded\n")
     for make, said in (
-        (lambda: os.mkfifo(config), "config.yaml: not a regular file (a device, pipe or socket)"),
+        (lambda: os.mkfifo(config), "config.yaml is a FIFO, not a regular file"),
         (lambda: config.symlink_to("/dev/zero"), "config.yaml: a link to /dev/zero, outside"),
         (lambda: config.symlink_to(outside), f"config.yaml: a link to {outside}, outside"),
     ):
@@ -221,3 +222,59 @@ def test_a_teacher_runs_extension_refusal_names_what_train_accepts(
     assert "\n" not in line and "--trust-run-code" not in line
     assert "list them in trainer.extensions of the config you train with" in line
     assert not (run / RAN).exists()
+
+
+def _copy(plain_run: Path, where: Path) -> Path:
+    import shutil
+
+    run = where / "run"
+    shutil.copytree(plain_run, run)
+    return run
+
+
+def test_export_and_eval_read_the_runs_metrics_with_the_run_file_checks(
+    plain_run: Path, tmp_path: Path, capsys
+) -> None:
+    """The model card's read of metrics.jsonl (export, and eval through its export) took a FIFO
+    for no file (nothing said) and a line nested 500,000 deep was a RecursionError."""
+    run = _copy(plain_run, tmp_path)
+    metrics = run / "metrics.jsonl"
+    good = metrics.read_text()
+    metrics.unlink()
+    os.mkfifo(metrics)
+    for argv in (["export", str(run), str(tmp_path / "model")], ["eval", str(run)]):
+        assert within(120, main, argv, fifo=metrics) == 2
+        assert f"{metrics} is a FIFO, not a regular file" in error_line(capsys)
+    assert not (tmp_path / "model").exists()
+    metrics.unlink()
+    metrics.write_text(good + "[" * 500_000 + "]" * 500_000 + "\n")
+    assert main(["export", str(run), str(tmp_path / "model")]) == 0
+    assert "metrics.jsonl: 1 unreadable lines skipped" in flat_output(capsys)
+
+
+def test_export_overwrite_onto_a_fifo_marker_is_one_line_not_a_hang(
+    plain_run: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    os.mkfifo(out / "creditrl_export.json")
+    argv = ["export", str(plain_run), str(out), "--overwrite"]
+    assert within(120, main, argv, fifo=out / "creditrl_export.json") == 2
+    assert "creditrl_export.json is a FIFO, not a regular file" in error_line(capsys)
+
+
+def test_a_checkpoints_json_files_are_checked_before_they_are_read(
+    plain_run: Path, tmp_path: Path
+) -> None:
+    """export, eval and a run as distill.teacher find a run's checkpoint with find_checkpoint,
+    which reads manifest.json and state.json only as regular files of the checkpoint."""
+    from creditrl.errors import DataError
+    from creditrl.pipeline.teacher import load_teacher
+
+    run = _copy(plain_run, tmp_path)
+    state = run / "checkpoints" / "step_000001" / "state.json"
+    state.unlink()
+    os.mkfifo(state)
+    cfg = tiny_trainer_config(tmp_path / "student", f"distill.teacher={run}")
+    with pytest.raises(DataError, match=r"step_000001 \(state\.json: not a regular file\)"):
+        within(120, load_teacher, cfg, 16, fifo=state)

@@ -2,21 +2,27 @@
 ``huggingface_hub.ModelCardData``, then what the run recorded (its config.yaml, the checkpoint's
 step and its metrics.jsonl) and how to load the directory. Nothing the run did not record.
 
-``metrics.jsonl`` is read line by line; a line longer than ``MAX_METRICS_LINE`` bytes, not a
-JSON object, or without an integer ``step`` is skipped and counted in the returned notes.
+``metrics.jsonl`` is read line by line with a run file's checks and bounds
+(``creditrl.config.run_files``, ``METRICS_LINES``): a FIFO, a link outside the run or a file too
+large is one ``DataError`` line; a line longer than ``MAX_METRICS_LINE`` bytes (never read into
+memory), beyond ``RUN_RECORD_LIMITS``, not a JSON object, or without an integer ``step`` is
+skipped and counted in the returned notes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCardData
 
+from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
 from creditrl.config import Config
 from creditrl.config.loader import all_keys
+from creditrl.config.run_files import METRICS_LINES, run_file_lines
 from creditrl.config.validate import format_value
 from creditrl.exporting.sources import RunCheckpoint
 
@@ -24,7 +30,7 @@ __all__ = ["EMBEDDED_HUB_ID", "MAX_METRICS_LINE", "changed_keys", "model_card", 
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # model.path=embedded, on the Hub
 EMBEDDED_NOTE = f"{EMBEDDED_HUB_ID} as creditrl ships it: a Q4_1 GGUF dequantized to float32"
-MAX_METRICS_LINE = 1 << 20  # bytes; metrics rows are a few KiB
+MAX_METRICS_LINE = METRICS_LINES.max_line_bytes  # bytes; metrics rows are a few KiB
 
 
 def _value(cfg: Any, key: str) -> Any:
@@ -51,7 +57,13 @@ def _escape(text: str) -> str:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (an integer too large for a float is not one)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def validations(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, float], int, int]:
@@ -61,27 +73,26 @@ def validations(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, f
     rows: dict[int, dict[str, float]] = {}
     skipped = 0
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}, {}, 0, 0
-    with path.open("rb") as f:
-        while line := f.readline(MAX_METRICS_LINE + 1):
-            if len(line) > MAX_METRICS_LINE:
-                while line and not line.endswith(b"\n"):  # the rest of the overlong line
-                    line = f.readline(MAX_METRICS_LINE)
-                skipped += 1
-                continue
-            try:
-                row = json.loads(line)
-            except (UnicodeDecodeError, ValueError):
-                skipped += 1
-                continue
-            s = row.get("step") if isinstance(row, dict) else None
-            if not isinstance(s, int) or isinstance(s, bool):
-                skipped += 1 if line.strip() else 0
-                continue
-            vals = {k: float(v) for k, v in row.items() if k.startswith("val/") and _number(v)}
-            if vals:
-                rows[s] = vals
+    for line in run_file_lines(path, METRICS_LINES, inside=run_dir):
+        if line.data is None:  # over MAX_METRICS_LINE: left unread
+            skipped += 1
+            continue
+        if not line.data.strip():
+            continue
+        try:
+            row = loads_bounded(line.data, RUN_RECORD_LIMITS)
+        except ValueError:  # UnicodeDecodeError and JsonLimitError too
+            skipped += 1
+            continue
+        s = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(s, int) or isinstance(s, bool):
+            skipped += 1
+            continue
+        vals = {k: float(v) for k, v in row.items() if k.startswith("val/") and _number(v)}
+        if vals:
+            rows[s] = vals
     before = rows.get(0, {})
     done = [s for s in rows if 0 < s <= step]
     last = max(done, default=0)

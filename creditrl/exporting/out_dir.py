@@ -25,7 +25,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from creditrl.bounded_json import JsonLimits, read_json_file
+from creditrl.bounded_json import JsonLimits, loads_bounded
+from creditrl.config.run_files import open_run_file
 from creditrl.errors import UserError
 
 __all__ = ["MARKER", "check_out_dir", "staged_dir", "write_marker"]
@@ -61,9 +62,15 @@ def write_marker(out: Path, files: Sequence[str], step: int, version: str) -> No
 
 def _marked_files(out: Path) -> set[str] | None:
     """The files ``out``'s marker lists, or None when there is no readable marker."""
+    marker = out / MARKER
+    if not os.path.lexists(marker):
+        return None
+    # a regular file inside OUT_DIR, opened without blocking: a FIFO or a link is one line
+    with open_run_file(marker, MARKER_LIMITS.max_bytes, error=UserError) as f:
+        data = f.read(MARKER_LIMITS.max_bytes + 1)
     try:
-        record = read_json_file(out / MARKER, MARKER_LIMITS)
-    except (OSError, ValueError):
+        record = loads_bounded(data, MARKER_LIMITS)
+    except ValueError:
         return None
     if not isinstance(record, dict) or record.get("creditrl_export") != 1:
         return None

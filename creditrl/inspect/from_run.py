@@ -7,6 +7,8 @@ derived by ``creditrl.inspect.compute.derive`` with the run's settings: the conf
 given overrides (say ``preset=ppo`` for a PPO run), and β from the step's logged
 ``actor/reward_kl_penalty_coeff``. The run's config is read as data: its
 ``trainer.extensions`` are imported only with ``trust_run_code`` (``--trust-run-code``).
+Every file of the run gets a run file's checks and bounds (``creditrl.config.run_files``): a
+FIFO, a link outside the run or a file too large is one line, never a hang.
 With ``theta`` (a checkpoint), log π_θ, the ratio and the clip flag are computed on the dumped
 token ids.
 """
@@ -14,6 +16,7 @@ token ids.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from creditrl.bounded_json import RUN_RECORD_LIMITS, loads_bounded
 from creditrl.config import Config
 from creditrl.config.loader import load_config
 from creditrl.config.run_config import load_run_config
+from creditrl.config.run_files import METRICS_LINES, run_file_lines
 from creditrl.inspect.compute import Settings, derive, rewards_from_scores, to_views
 from creditrl.inspect.view import TokenView, token_text
 from creditrl.tracking.rollout_dump import load_rollout_dump
@@ -71,7 +75,7 @@ def run_config(
     ``overrides`` on top, read as data; else defaults + overrides, and a note saying so."""
     for name in ("config.yaml", "config.json"):
         path = Path(run_dir) / name
-        if path.is_file():
+        if os.path.lexists(path):  # a FIFO or a link too: load_run_config says what is wrong
             return load_run_config(path, overrides, trust_code=trust_run_code), None
     note = (
         f"{run_dir} holds no config.yaml/config.json: gamma, lam and the estimators are the "
@@ -80,20 +84,37 @@ def run_config(
     return load_config(None, list(overrides)), note
 
 
-def step_metrics(run_dir: Path, step: int) -> dict[str, Any]:
-    """The metrics.jsonl record of ``step`` ({} when absent or unreadable)."""
+def step_metrics(run_dir: Path, step: int, notes: list[str] | None = None) -> dict[str, Any]:
+    """The metrics.jsonl record of ``step`` ({} when absent or unreadable), the file read line
+    by line within ``METRICS_LINES``; a one-line ``DataError`` when it is no regular file of
+    the run or too large. When ``step`` has no record and lines were left out (unreadable or
+    over the line limit), ``notes`` gets a line saying so."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}
     found: dict[str, Any] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    bad, long = 0, 0
+    for line in run_file_lines(path, METRICS_LINES, inside=run_dir):
+        if line.data is None:
+            long += 1
+            continue
         try:
-            row = loads_bounded(line, RUN_RECORD_LIMITS)
+            row = loads_bounded(line.data, RUN_RECORD_LIMITS)
         except ValueError:
+            bad += bool(line.data.strip())
             continue
         if isinstance(row, dict) and row.get("step") == step:
             found = row
+    if not found and (bad or long) and notes is not None:
+        notes.append(
+            f"{path}: no record of step {step} read; {bad} unreadable lines and {long} lines "
+            f"over the limit of {METRICS_LINES.max_line_bytes} bytes were left out"
+        )
     return found
+
+
+def _has_per_token(record: Any) -> bool:
+    return isinstance(record, dict) and "per_token" in record
 
 
 def _padded(rows: list[dict[str, Any]], field: str, width: int) -> torch.Tensor:
@@ -124,8 +145,8 @@ def views_from_run(
     step = steps[-1] if step is None else step
     if step not in steps:
         raise FileNotFoundError(f"{run_dir} has no rollout dump for step {step}; it has {steps}")
-    records = load_rollout_dump(run_dir / "rollouts" / f"step_{step:06d}.jsonl")
-    detailed = [r for r in records if "per_token" in r]
+    path = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+    detailed = load_rollout_dump(path, inside=run_dir, keep=_has_per_token)
     if rows is not None:
         have = {r["row"] for r in detailed}
         missing = [i for i in rows if i not in have]
@@ -140,7 +161,8 @@ def views_from_run(
             f"step {step}: no row has per-token tensors (trainer.rollout_dump_rows=0?)"
         )
     cfg, config_note = run_config(run_dir, overrides, trust_run_code)
-    beta = step_metrics(run_dir, step).get("actor/reward_kl_penalty_coeff")
+    notes = [config_note] if config_note else []
+    beta = step_metrics(run_dir, step, notes).get("actor/reward_kl_penalty_coeff")
     settings = Settings.from_config(cfg, beta=beta)
     lengths = [len(r["per_token"]["ids"]) for r in detailed]
     width = max(lengths)
@@ -153,7 +175,6 @@ def views_from_run(
     for name in _INT_COLUMNS:
         if name in t:
             t[name] = torch.nan_to_num(t[name]).to(torch.int64)
-    notes = [config_note] if config_note else []
     notes += _check_rewards(t, settings)
     if theta is not None:
         t["log_prob"] = _theta_log_probs(detailed, cfg, theta, t["mask"])

@@ -4,6 +4,7 @@ workers the trainer uses (so the alignment is the trainer's: ``logits[:, -T-1:-1
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from safetensors.torch import load_model
 
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config import Config
+from creditrl.config.run_files import run_file_text
 from creditrl.models import CriticModel, load_causal_lm, resolve_model_path
 from creditrl.models.critic import VALUE_HEAD_FILE
+from creditrl.trainers.checkpoint import POINTER_MAX_BYTES, STEP_DIR
 from creditrl.workers import ActorWorker, CriticWorker
 
 __all__ = ["build_batch", "compute_log_probs", "compute_values", "load_critic", "load_policy"]
@@ -65,8 +68,12 @@ def build_batch(
 def _checkpoint_file(path: Path, name: str) -> Path | None:
     """``path/<name>.model.safetensors`` for a run checkpoint directory, following a run's
     ``checkpoints/latest`` pointer when ``path`` is a run's checkpoints folder."""
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    latest = path / "latest"
+    if os.path.lexists(latest):  # a run file: regular, inside, at most 64 bytes, else one line
+        name = run_file_text(latest, POINTER_MAX_BYTES, error=ValueError).strip()
+        if STEP_DIR.fullmatch(name) is None:
+            raise ValueError(f"{latest} names {name[:64]!r}, not a step_NNNNNN checkpoint")
+        path = path / name
     file = path / f"{name}.model.safetensors"
     return file if file.is_file() else None
 

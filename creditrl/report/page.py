@@ -56,8 +56,7 @@ def _summary(log: MetricsLog, run_dir: Path, now: float) -> str:
     warn = []
     if log.partial_last_line:
         warn.append("the last line is being written (run in progress): left out")
-    if log.bad_lines:
-        warn.append(f"unreadable lines left out: {log.bad_lines[:20]}")
+    warn += log.left_out()
     notes = "".join(f'<p class="warn">{as_html(w)}</p>' for w in warn)
     return f'<table class="summary">{body}</table>{notes}'
 
@@ -85,6 +84,13 @@ def render_report(
     run_dir: str | Path, refresh_s: float | None = None, now: float | None = None
 ) -> tuple[str, list[PlotData]]:
     """The report page of ``run_dir`` and the data of each plot."""
+    page, plots, _ = _page(run_dir, refresh_s, now)
+    return page, plots
+
+
+def _page(
+    run_dir: str | Path, refresh_s: float | None = None, now: float | None = None
+) -> tuple[str, list[PlotData], MetricsLog]:
     run_dir = Path(run_dir)
     log = read_metrics(run_dir / "metrics.jsonl")
     now = time.time() if now is None else now
@@ -97,7 +103,7 @@ def render_report(
         f"{_summary(log, run_dir, now)}"
         f'<div class="grid">{"".join(_plot_html(p) for p in plots)}</div></body></html>'
     )
-    return page, plots
+    return page, plots, log
 
 
 def write_pngs(plots: Sequence[PlotData], out_dir: Path) -> list[Path]:
@@ -139,12 +145,13 @@ def write_report(
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    page, plots = render_report(run_dir, refresh_s)
+    page, plots, log = _page(run_dir, refresh_s)
     path = out / "index.html"
     tmp = out / ".index.html.tmp"
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(path)
     files = ReportFiles(path, plots=plots)
+    files.notes += [f"{log.path}: {said}" for said in log.left_out()]
     for data in plots:
         if data.missing:
             files.notes.append(f"{data.spec.title}: missing {', '.join(data.missing)}")

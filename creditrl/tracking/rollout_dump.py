@@ -19,6 +19,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ import torch
 
 from creditrl.batch import Batch
 from creditrl.bounded_json import RUN_RECORD_LIMITS, JsonLimitError, loads_bounded
+from creditrl.config.run_files import DUMP_LINES, run_file_lines
 from creditrl.tracking.metrics import response_info
 
 __all__ = ["PER_TOKEN_FIELDS", "RolloutDumper", "load_rollout_dump"]
@@ -176,17 +178,31 @@ class RolloutDumper:
         return None
 
 
-def load_rollout_dump(path: Path) -> list[dict[str, Any]]:
-    """Read a file written by ``RolloutDumper.dump``; ValueError names a bad line."""
+def load_rollout_dump(
+    path: Path,
+    *,
+    inside: Path | None = None,
+    keep: Callable[[Any], bool] | None = None,
+) -> list[Any]:
+    """Read a file written by ``RolloutDumper.dump`` (the records ``keep`` accepts, default
+    all); ValueError names a bad line, one over ``DUMP_LINES`` unread. The file gets a run
+    file's checks (``creditrl.config.run_files``) in the run directory ``inside`` (default:
+    its folder): a FIFO, a link outside the run or a file too large is one ``DataError``."""
     rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(loads_bounded(line, RUN_RECORD_LIMITS))
-            except JsonLimitError as e:
-                raise ValueError(f"{path} line {lineno} is too large: {e}") from None
-            except ValueError as e:
-                raise ValueError(f"{path} line {lineno} is not valid JSON: {e}") from None
+    for line in run_file_lines(path, DUMP_LINES, inside=inside):
+        if line.data is None:
+            raise ValueError(
+                f"{path} line {line.number} is too large: over the limit of "
+                f"{DUMP_LINES.max_line_bytes} bytes"
+            )
+        if not line.data.strip():
+            continue
+        try:
+            row = loads_bounded(line.data, RUN_RECORD_LIMITS)
+        except JsonLimitError as e:
+            raise ValueError(f"{path} line {line.number} is too large: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{path} line {line.number} is not valid JSON: {e}") from None
+        if keep is None or keep(row):
+            rows.append(row)
     return rows
