@@ -343,29 +343,30 @@ def _closed(conn: socket.socket) -> bool:
 
 
 def test_half_open_connections_are_timed_out_and_limited() -> None:
-    """Connections without the key that send half a request: at most max_connections are
-    open (the oldest dropped for a new one), each closed after idle_timeout_s, and a keyed
-    request still gets through; a keyed body that never arrives is answered 408."""
+    """Connections without the key that send half a request: at most max_unkeyed are open
+    (the oldest dropped for a new one), each closed after key_timeout_s, and a keyed request
+    still gets through; a keyed body that never arrives is answered 408 after idle_timeout_s."""
     from creditrl.agents.endpoint import Endpoint
 
     async def handler(trajectory, body):
         return {}
 
-    endpoint = Endpoint(handler, lambda t: True, "m", max_connections=4, idle_timeout_s=3.0)
+    endpoint = Endpoint(handler, lambda t: True, "m", max_connections=4, max_unkeyed=4,
+                        key_timeout_s=1.0, idle_timeout_s=3.0)  # fmt: skip
     endpoint.start()
     try:
         head = b"POST /t/x/v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
         half = [_raw(endpoint.port, head) for _ in range(12)]
-        for _ in range(200):  # accepted together, before the limit applies (BACKLOG)
-            if len(endpoint._runner.server.connections) == 12:
+        for _ in range(200):  # 8 dropped as the 12 arrive (unless the first timed out)
+            if endpoint.refused["connection_dropped"] + endpoint.refused["connection_timeout"] >= 8:
                 break
             threading.Event().wait(0.05)
+        assert endpoint.refused["connection_dropped"] >= 1
         keyed = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=30)
         keyed.request("GET", "/v1/models", headers={"Authorization": f"Bearer {endpoint.key}"})
         assert keyed.getresponse().status == 200
         alive = [c for c in endpoint._runner.server.connections if not c.transport.is_closing()]
-        assert len(alive) <= 4
-        assert endpoint.refused["connection_dropped"] >= 1  # the rest timed out meanwhile
+        assert len(alive) <= 4 + 1  # the unkeyed pool and the keyed connection
         slow = _raw(endpoint.port, b"POST /t/x/v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
                     b"Authorization: Bearer " + endpoint.key.encode() +
                     b"\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
@@ -376,6 +377,10 @@ def test_half_open_connections_are_timed_out_and_limited() -> None:
                 break
             threading.Event().wait(0.05)
         assert all(_closed(c) for c in half)
+        # dropped for newer ones (the keyed connections too, before their key was seen), or
+        # timed out after 1 s
+        timed_out = endpoint.refused["connection_timeout"]
+        assert timed_out >= 1 and endpoint.refused["connection_dropped"] + timed_out == 12
     finally:
         endpoint.close()
 

@@ -34,7 +34,9 @@ def test_the_episodes_connections_never_lose_to_keyless_ones() -> None:
     async def handler(trajectory: str, body: dict) -> dict:
         return {"trajectory": trajectory}
 
-    endpoint = Endpoint(handler, lambda t: True, "m", max_connections=4, idle_timeout_s=5.0)
+    endpoint = Endpoint(
+        handler, lambda t: True, "m", max_connections=4, max_unkeyed=4, idle_timeout_s=5.0
+    )
     endpoint.start()
     stop = threading.Event()
     flooder = threading.Thread(target=_flood, args=(endpoint.port, stop), daemon=True)
@@ -64,4 +66,100 @@ def test_the_episodes_connections_never_lose_to_keyless_ones() -> None:
     finally:
         stop.set()
         flooder.join(timeout=10)
+        endpoint.close()
+
+
+FLOOD_PROCESS = r"""
+import os, socket, sys
+port, keep, parent = int(sys.argv[1]), int(sys.argv[2]), os.getppid()
+head = b"POST /t/x/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+open_now, n = [], 0
+print("started", flush=True)
+while n % 256 or os.getppid() == parent:  # until killed, or orphaned
+    n += 1
+    try:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+        if n % 2:  # half of them send half a request head, half of them nothing at all
+            conn.sendall(head)
+    except OSError:
+        continue
+    open_now.append(conn)
+    if len(open_now) > keep:
+        open_now.pop(0).close()
+"""
+
+COMPLETION = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "ok"},
+        }
+    ],
+}
+
+
+def test_a_programs_own_clients_never_lose_to_a_keyless_flood() -> None:
+    """Issue 50, item 1: agent frameworks build their own client from the base URL and key
+    (a plain ``AsyncOpenAI`` per request, through the TCP port, not the private socket). While
+    another process keeps opening keyless connections (half of them half-sent requests, half
+    silent) far past the unkeyed pool, every keyed request is answered, and the keyless
+    connections dropped are counted. Before, 4 of 4 episodes failed: each new keyed
+    connection, not yet seen to carry the key, was dropped with the flood's."""
+    import subprocess
+    import sys
+
+    from openai import AsyncOpenAI
+
+    async def handler(trajectory: str, body: dict) -> dict:
+        return COMPLETION
+
+    # the sizes the program rollout gives it: 4 concurrent episodes
+    endpoint = Endpoint(handler, lambda t: True, "m", max_connections=2 * 4 + 32)
+    endpoint.start()
+    floods = [  # three processes: one alone lost 0 of 80 requests before, three 6 of 80
+        subprocess.Popen(
+            [sys.executable, "-c", FLOOD_PROCESS, str(endpoint.port), "800"],
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
+
+    async def episode(i: int) -> list[str]:
+        answers = []
+        for turn in range(10):  # the framework's own client, new for every request
+            client = AsyncOpenAI(
+                base_url=endpoint.base_url(f"e{i}"), api_key=endpoint.key, max_retries=0,
+                timeout=30,
+            )  # fmt: skip
+            try:
+                reply = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": f"turn {turn}"}]
+                )
+                answers.append(reply.choices[0].message.content)
+            except Exception as e:  # what failed: the assertion's message
+                answers.append(f"{type(e).__name__}: {e}")
+            finally:
+                await client.close()
+        return answers
+
+    async def episodes() -> list[list[str]]:
+        return await asyncio.gather(*(episode(i) for i in range(4)))
+
+    try:
+        for flood in floods:
+            assert flood.stdout is not None and flood.stdout.readline() == b"started\n"
+        while endpoint.refused["connection_dropped"] < 500:  # the flood is far past the pool
+            threading.Event().wait(0.05)
+        assert asyncio.run(episodes()) == [["ok"] * 10] * 4
+        assert endpoint.refused["connection_dropped"] >= 500
+        assert endpoint.requests == 40
+    finally:
+        for flood in floods:
+            flood.kill()
+            flood.wait()
         endpoint.close()

@@ -10,19 +10,25 @@ honour gets an OpenAI-style error (``{"error": {"message", "type", "code"}}``) a
 in ``refused``. A chat completion is answered by ``handler(trajectory, body)``, a coroutine the
 program rollout supplies.
 
-Connections are bounded: one that sends no complete request head within ``idle_timeout_s`` (or
-stays idle that long between requests) is closed, a body not received within ``idle_timeout_s``
-is refused (408), and at most ``max_connections`` are open: past it, the oldest connections
-that have not shown the key are dropped for a new one, and a new one is refused when every open
-connection has shown it (``refused["connection_dropped"]``, ``refused["connection_refused"]``).
-The limit is applied as each connection is accepted, to those already set up, so one burst of
-at most ``BACKLOG`` connections accepted together may pass it until the next accept.
+Connections are bounded, and a keyed request never loses to keyless connections, whichever
+client sends it (the episodes' own, or one an agent framework builds from the base URL and key).
+Each TCP connection is watched from its first byte (``_Watch``): it counts as keyed as soon as
+the bytes it sent hold the run's key, before its request is parsed. Until then it is one of at
+most ``max_unkeyed`` unkeyed connections; past that, a newcomer drops the oldest unkeyed one
+that has sent bytes without the key, else the oldest silent one
+(``refused["connection_dropped"]``), so a fresh connection is never dropped for the ones that
+follow it until ``max_unkeyed`` newer ones have arrived before it could show its key. An
+unkeyed connection is closed after ``key_timeout_s`` (``refused["connection_timeout"]``), a
+keyed one that sends no complete request head within ``idle_timeout_s`` (or stays idle that
+long between requests) too, and a body not received within ``idle_timeout_s`` is refused
+(408). Keyed connections are never dropped for unkeyed ones; past ``max_connections`` keyed
+ones, the longest idle (no request in progress, nothing received for ``KEYED_IDLE_S``) are
+closed. The pools are applied as each connection is set up, so one burst of at most
+``BACKLOG`` connections accepted together may pass them until the next.
 
 The episodes' own clients (``http_client()``) connect through a private Unix socket instead
 (Linux), in a folder only this user can enter, and a connection there from another process
-(``SO_PEERCRED``) is closed at once: their connections are neither counted against
-``max_connections`` nor dropped, so a local process flooding the port with keyless
-connections cannot cost an episode its own, not yet keyed, connection.
+(``SO_PEERCRED``) is closed at once: their connections are counted in neither pool.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20  # one request: the whole conversation so far, as JSON
 REQUEST_LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_depth=32, max_items=200_000)
 IDLE_TIMEOUT_S = 30.0  # a request head, a body, or the wait between requests
+KEY_TIMEOUT_S = 5.0  # for a new connection's bytes to show the run's key
+MAX_UNKEYED = 256  # connections that have not shown the key (several accept bursts)
+KEYED_IDLE_S = 1.0  # a keyed connection quiet this long, no request in progress, is idle
 MAX_HEAD_BYTES = 8190  # one request line or header field
 BACKLOG = 64  # connections waiting to be accepted (and accepted at once before the limit applies)
 
@@ -75,20 +84,46 @@ def _error(err: EndpointError) -> web.Response:
     return web.json_response(body, status=err.status)
 
 
-class _Refuse(asyncio.Protocol):
-    """A connection over the limit: closed as soon as it is made."""
+class _Watch(asyncio.Protocol):
+    """A TCP connection: everything goes on to ``inner`` (the HTTP server's protocol), and the
+    endpoint hears when it is set up, when its bytes first hold the run's key (scanned as they
+    arrive, across chunk boundaries), when it sends bytes without it, and when it ends."""
+
+    def __init__(self, endpoint: Endpoint, inner: asyncio.Protocol) -> None:
+        self.endpoint, self.inner = endpoint, inner
+        self.keyed = False
+        self.tail = b""  # the last bytes received, a key split across chunks
+        self.last = 0.0  # when it last received bytes (the loop's clock)
+        self.deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
+        self.inner.connection_made(transport)
+        self.endpoint._arrived(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.endpoint._received(self, data)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint._gone(self)
+        self.inner.connection_lost(exc)
 
 
 class _OwnProcess(asyncio.Protocol):
     """A connection to the private socket: handed to ``inner`` (the HTTP server's protocol)
     if it comes from this process, closed otherwise."""
 
-    def __init__(self, inner: asyncio.Protocol, own: set[Any]) -> None:
+    def __init__(self, inner: asyncio.Protocol) -> None:
         self.inner: asyncio.Protocol | None = inner
-        self.own = own
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         sock = transport.get_extra_info("socket")
@@ -100,7 +135,6 @@ class _OwnProcess(asyncio.Protocol):
             self.inner = None
             transport.close()
             return
-        self.own.add(self.inner)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -120,14 +154,14 @@ class _OwnProcess(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.inner is not None:
-            self.own.discard(self.inner)
             self.inner.connection_lost(exc)
 
 
 class Endpoint:
     """The server; ``start()`` binds ``host:port`` (0: a free port) and serves on a daemon
     thread until ``close()``. ``known(trajectory)`` says which trajectory ids are live;
-    ``max_connections`` and ``idle_timeout_s`` bound the connections (module docstring)."""
+    ``max_connections`` (keyed), ``max_unkeyed``, ``key_timeout_s`` and ``idle_timeout_s``
+    bound the connections (module docstring)."""
 
     def __init__(
         self,
@@ -139,6 +173,8 @@ class Endpoint:
         *,
         max_connections: int = 64,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_unkeyed: int = MAX_UNKEYED,
+        key_timeout_s: float = KEY_TIMEOUT_S,
     ) -> None:
         self.handler = handler
         self.known = known
@@ -146,15 +182,23 @@ class Endpoint:
         self.host = unbracketed(host)  # [::1] binds as ::1
         self.port = port
         self.key = secrets.token_urlsafe(24)
+        self._key_bytes = self.key.encode()
         self.refused: Counter[str] = Counter()
         self.requests = 0
         self.max_connections = max_connections
+        self.max_unkeyed = max_unkeyed
         self.idle_timeout_s = idle_timeout_s
+        self.key_timeout_s = min(key_timeout_s, idle_timeout_s)
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._keyed: set[Any] = set()  # connections (protocols) that have shown the key
-        self._own: set[Any] = set()  # connections of this process's clients (private socket)
+        # TCP connections (dicts as ordered sets): silent since they were set up, oldest
+        # first; that sent bytes without the key, in the order they did; keyed, least recently
+        # active first
+        self._silent: dict[_Watch, None] = {}
+        self._spoken: dict[_Watch, None] = {}
+        self._keyed: dict[_Watch, None] = {}
+        self._busy: Counter[Any] = Counter()  # requests in progress per HTTP protocol
         self._private: asyncio.AbstractServer | None = None
         self._socket_dir: str | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -201,7 +245,7 @@ class Endpoint:
         if hasattr(socket, "SO_PEERCRED"):
             self._socket_dir = tempfile.mkdtemp(prefix="creditrl-endpoint-")  # mode 0700
             self._private = await self.loop.create_unix_server(
-                lambda: _OwnProcess(self._runner.server(), self._own),  # type: ignore[union-attr]
+                lambda: _OwnProcess(self._runner.server()),  # type: ignore[union-attr]
                 os.path.join(self._socket_dir, "s"),
                 backlog=BACKLOG,
             )
@@ -217,24 +261,75 @@ class Endpoint:
         return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=uds))
 
     def _accept(self) -> asyncio.BaseProtocol:
-        """A new connection's protocol, within ``max_connections`` (module docstring)."""
+        """A new TCP connection's protocol: the HTTP server's, watched (module docstring)."""
         assert self._runner is not None and self._runner.server is not None
-        server = self._runner.server
-        open_now = [
-            c
-            for c in server.connections
-            if c.transport and not c.transport.is_closing() and c not in self._own
-        ]
-        self._keyed &= set(open_now)
-        excess = len(open_now) + 1 - self.max_connections
-        for conn in [c for c in open_now if c not in self._keyed][: max(excess, 0)]:
-            conn.force_close()
-            self.refused["connection_dropped"] += 1
-            excess -= 1
-        if excess > 0:
-            self.refused["connection_refused"] += 1
-            return _Refuse()
-        return server()
+        return _Watch(self, self._runner.server())
+
+    def _arrived(self, conn: _Watch) -> None:
+        """A connection set up: unkeyed until its bytes show the key, within ``key_timeout_s``;
+        past ``max_unkeyed``, the oldest that spoke without the key goes, else the oldest
+        silent one, never this one."""
+        conn.last = self.loop.time()
+        self._silent[conn] = None
+        conn.deadline = self.loop.call_later(self.key_timeout_s, self._too_late, conn)
+        while len(self._silent) + len(self._spoken) > self.max_unkeyed:
+            pool = self._spoken or self._silent
+            oldest = next(iter(pool))
+            if oldest is conn:
+                break
+            self._drop(oldest, "connection_dropped")
+
+    def _received(self, conn: _Watch, data: bytes) -> None:
+        """Bytes on ``conn``: keyed when they hold the key; else it has spoken without it."""
+        conn.last = self.loop.time()
+        if conn.keyed:
+            self._keyed.pop(conn, None)
+            self._keyed[conn] = None  # most recently active last
+            return
+        seen = conn.tail + data
+        if self._key_bytes not in seen:
+            conn.tail = seen[-len(self._key_bytes) :]
+            if conn in self._silent:
+                del self._silent[conn]
+                self._spoken[conn] = None
+            return
+        conn.keyed, conn.tail = True, b""
+        self._silent.pop(conn, None)
+        self._spoken.pop(conn, None)
+        if conn.deadline is not None:
+            conn.deadline.cancel()
+            conn.deadline = None
+        self._keyed[conn] = None
+        if len(self._keyed) > self.max_connections:
+            self._close_idle_keyed()
+
+    def _close_idle_keyed(self) -> None:
+        """Past ``max_connections`` keyed connections: close the least recently active of
+        those idle (no request in progress, nothing received for ``KEYED_IDLE_S``)."""
+        now = self.loop.time()
+        idle = [c for c in self._keyed if not self._busy[c.inner] and now - c.last >= KEYED_IDLE_S]
+        for conn in idle[: len(self._keyed) - self.max_connections]:
+            self._drop(conn, None)
+
+    def _too_late(self, conn: _Watch) -> None:
+        conn.deadline = None
+        if not conn.keyed:
+            self._drop(conn, "connection_timeout")
+
+    def _drop(self, conn: _Watch, counted: str | None) -> None:
+        """Close ``conn`` now (counted in ``refused[counted]``) and forget it."""
+        self._gone(conn)
+        if counted is not None:
+            self.refused[counted] += 1
+        conn.inner.force_close()  # type: ignore[attr-defined]
+
+    def _gone(self, conn: _Watch) -> None:
+        self._silent.pop(conn, None)
+        self._spoken.pop(conn, None)
+        self._keyed.pop(conn, None)
+        if conn.deadline is not None:
+            conn.deadline.cancel()
+            conn.deadline = None
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -244,8 +339,13 @@ class Endpoint:
                 raise EndpointError(
                     401, "invalid API key", "invalid_request_error", "invalid_api_key"
                 )
-            self._keyed.add(request.protocol)
-            return await handler(request)
+            self._busy[request.protocol] += 1
+            try:
+                return await handler(request)
+            finally:
+                self._busy[request.protocol] -= 1
+                if not self._busy[request.protocol]:
+                    del self._busy[request.protocol]
         except EndpointError as err:
             self.refused[err.code] += 1
             return _error(err)
