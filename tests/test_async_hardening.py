@@ -497,6 +497,21 @@ def test_a_killed_sampler_or_a_dead_learner_ends_the_run(tmp_path: Path) -> None
     assert children[1].proc.returncode == -15  # the sampler was terminated
 
 
+def test_a_refusal_is_not_followed_by_resume_advice(tmp_path: Path) -> None:
+    """Issue 50, item 4a: a learner refused in one line (exit 2: a weight folder in use) is
+    shown with that line and no advice to resume (before: "rerun the same command to resume
+    (the learner from its last checkpoint, ...)", which would be refused again); a child that
+    failed otherwise still gets the advice."""
+    refused = _fake("import sys; print('error: asynchronous.weight_dir=/w is in use by another "
+                    "run (pid 7)', file=sys.stderr); sys.exit(2)")  # fmt: skip
+    code, _, text, _ = _supervise(tmp_path / "a", refused, SLEEP)
+    assert code == 2 and "learner rank 0 exited with code 2" in text
+    assert "| error: asynchronous.weight_dir=/w is in use by another run (pid 7)" in text
+    assert "resume" not in text
+    code, _, text, _ = _supervise(tmp_path / "b", _fake("import sys; sys.exit(1)"), SLEEP)
+    assert code == 1 and "rerun the same command to resume" in text
+
+
 def test_a_run_that_finishes_exits_zero(tmp_path: Path) -> None:
     """The learner exits 0 and the sampler follows: code 0, nothing reported."""
     code, _, text, _ = _supervise(tmp_path, _fake("pass"), _fake("import time; time.sleep(0.3)"))

@@ -214,7 +214,7 @@ def _report(child: Child, console: Any) -> int:
         f"(log: {as_markup(child.log_path)})",
         markup=True,
     )
-    print_tail(console, child.name, child.last_lines())
+    print_tail(console, child.name, child.last_lines(), code)
     return code
 
 

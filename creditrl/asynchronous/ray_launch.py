@@ -195,7 +195,7 @@ def _report(run: ActorRun, code: int, words: str, lines: list[str], console: Any
         highlight=False,
         soft_wrap=True,
     )
-    print_tail(console, run.name, lines)
+    print_tail(console, run.name, lines, code)
     return code
 
 
