@@ -42,3 +42,24 @@ def test_coefficients_are_bounded_to_what_float32_carries(capsys, key: str) -> N
 def test_every_float_setting_fits_float32(capsys, key: str) -> None:
     line = refused(capsys, f"{key}=1e39")
     assert f"{key}=1e+39 is beyond what float32 carries" in line
+
+
+def test_the_loss_divisor_is_bounded_to_what_float32_carries(capsys) -> None:
+    """actor.loss_scale_factor divides the summed per-token losses (seq-mean-token-sum-norm):
+    1e-40 passed (> 0) and made the float32 loss inf, 1e39 is inf in float32 itself; the
+    critic has no such key."""
+    import torch
+
+    from creditrl.core.aggregation import agg_loss
+
+    mode = "actor.loss_agg_mode=seq-mean-token-sum-norm"
+    loss = agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode.split("=")[1], loss_scale_factor=1e-40)
+    assert torch.isinf(loss)  # what a value below the range did
+    for value in ("1e-40", "0.0001", "1e8", "1e39"):
+        line = refused(capsys, mode, f"actor.loss_scale_factor={value}")
+        assert line.startswith("error: actor.loss_scale_factor=")
+        assert "must be in [0.001, 10000000]" in line or "beyond what float32 carries" in line
+    for value in ("0.001", "4096", "1e7"):
+        cfg = load_config(overrides=[mode, f"actor.loss_scale_factor={value}"])
+        assert cfg.actor.loss_scale_factor == float(value)
+    assert not hasattr(load_config().critic, "loss_scale_factor")

@@ -21,6 +21,7 @@ __all__ = [
     "FEW_SHOT",
     "FLOAT32_MAX",
     "GRAD_CLIP",
+    "LOSS_DIVISOR",
     "OPTIONAL_AT_LEAST_0",
     "OPTIONAL_POSITIVE",
     "PORT",
@@ -101,6 +102,11 @@ COEFFICIENT = Range(0, 1e4, note=_PRODUCTS)
 SIGNED_COEFFICIENT = Range(-1e4, 1e4, note=_PRODUCTS)
 SCORE = Range(-1e9, 1e9, note="what a scorer may return")
 FEW_SHOT = Range(0, 64, note="each example adds two messages to every prompt")
+# A divisor of summed per-token losses (a token count, like rollout.max_response_length):
+# 1e-40 made the float32 loss inf; past 1e7 the gradient is below what Adam's eps lets move.
+LOSS_DIVISOR = Range(
+    1e-3, 1e7, null="unset", note="smaller ones overflow float32 losses, larger ones vanish them"
+)
 
 
 def meta(

@@ -16,6 +16,7 @@ from creditrl.config.fields import (
     COEFFICIENT,
     FEW_SHOT,
     GRAD_CLIP,
+    LOSS_DIVISOR,
     OPTIONAL_AT_LEAST_0,
     OPTIONAL_POSITIVE,
     PORT,
@@ -241,7 +242,7 @@ class ActorConfig:
     """sapo: soft-gate temperature for advantages <= 0."""
     loss_agg_mode: str = field(default="token-mean", metadata=meta(registry="loss_agg_mode"))
     """How per-token losses become one number (docs/naming.md, Loss aggregation)."""
-    loss_scale_factor: float | None = field(default=None, metadata=meta(range=OPTIONAL_POSITIVE))
+    loss_scale_factor: float | None = field(default=None, metadata=meta(range=LOSS_DIVISOR))
     """seq-mean-token-sum-norm's divisor C per sequence; null: the padded length."""
     use_kl_loss: bool = False
     """Add kl_loss_coef x KL(actor || reference) to the loss (GRPO style)."""
