@@ -377,6 +377,7 @@ def tiny_hf_engine(model, tokenizer, **overrides) -> HFRolloutEngine:
         "fast_decode",
         "tree_prefill",
         "small_batch_rows",
+        "merge_lora",
     )
     options = {k: overrides.pop(k) for k in engine_options if k in overrides}
     cfg = replace(RolloutConfig(max_response_length=12, micro_batch_size=64), **overrides)

@@ -94,7 +94,10 @@ def rollout_log_probs_reusable(cfg: Config) -> bool:
     engine's by ~0.03 a token, so reused ones would start the ratio away from 1 and clip ~10%
     of tokens at the first mini-batch; they are recomputed under the update's precision), and
     rollout IS is off (it compares recomputed log-probs with the sampler's; with reused ones
-    its weights would be exactly 1, a silent no-op)."""
+    its weights would be exactly 1, a silent no-op). A LoRA actor is sampled from its merged
+    copy (``creditrl.rollout.merged_copy``), whose float32 log-probs equal the adapter model's
+    to rounding, the size of the gap the engine's KV-cache decode already has for a full model
+    (``tests/test_lora_sampling.py``), so they are reused alike."""
     return (
         cfg.actor.use_rollout_log_probs
         and not cfg.algorithm.rollout_is.enable

@@ -28,6 +28,11 @@ On CUDA, decode runs from a static KV cache as a captured CUDA graph
 (``rollout.cuda_graph``; ``rollout.engine_kwargs.decode_cache``): finished rows then stay in the
 batch, fed the pad id, so the graph's shape never changes.
 
+A LoRA (peft) model is sampled from a plain copy with its adapters merged, W + s B A
+(``rollout.merged_copy``), refreshed in place only when its weights changed since the last
+merge, so the Llama decoder, the weight-major products and the CUDA graphs apply to it as to a
+full model; its log-probs equal the adapter model's to float rounding.
+
 The module-level ``FAST_DECODE`` and ``TREE_PREFILL`` (and ``cpu_kernels.SMALL_BATCH_ROWS``)
 are the defaults of the engine's ``fast_decode``, ``tree_prefill`` and ``small_batch_rows``
 arguments, read when an engine is built, so engines in one process can differ. The sampling
@@ -57,6 +62,7 @@ from creditrl.rollout.cuda_graph import StaticDecoder, static_decode_unsupported
 from creditrl.rollout.engine import EngineArgs, RolloutEngine
 from creditrl.rollout.kv_cache import PreallocatedLayer, cache_keyword, preallocated_cache
 from creditrl.rollout.llama_decode import LlamaDecoder
+from creditrl.rollout.merged_copy import MergedCopy, is_lora_model
 from creditrl.rollout.registries import DECODE_CACHE, SAMPLE_DTYPE
 from creditrl.rollout.sample_buffers import SampleBuffers
 from creditrl.rollout.sampler_copy import SamplerCopy
@@ -100,7 +106,8 @@ class HFRolloutEngine(RolloutEngine):
     """Samples responses for a prompt Batch with a transformers causal LM (the CPU engine),
     registered as ``rollout.engine=hf``. It samples with the module it is given
     (``samples_with_actor_module``), and its log-probs are that module's own at the sampling
-    temperature (``exact_log_probs``); ``sleep()`` drops its static KV caches and CUDA graphs.
+    temperature (``exact_log_probs``; a LoRA model's through its merged copy, equal to float
+    rounding: ``rollout.merged_copy``); ``sleep()`` drops its static KV caches and CUDA graphs.
 
     ``seed`` seeds the engine's ``torch.Generator``: the same seed, model, prompts and settings
     give the same samples. A prompt batch with a ``sample_seed`` (B,) int64 field samples each
@@ -121,7 +128,11 @@ class HFRolloutEngine(RolloutEngine):
     product; ``decode_cache`` (default ``cfg.engine_kwargs["decode_cache"]``, else 'auto')
     decodes from a static KV cache, captured as a CUDA graph on CUDA ('auto': CUDA models
     only; ``rollout.cuda_graph``). Each changes speed only, not the function sampled (to float
-    rounding).
+    rounding). ``merged_copy`` (default: a new one when ``model`` is a peft model) is the
+    ``MergedCopy`` a LoRA model is sampled from; engines built one after another over the same
+    model share one (the Tinker service builds an engine per call) so it merges once per weight
+    version, not once per engine. ``merge_lora=False`` samples a peft model through peft (the
+    slower path, for comparison).
 
     ``last_stats`` describes the latest generate(): ``prefill_s``, ``decode_s`` (seconds),
     ``prefill_rows`` (distinct prompts prefilled), ``prefill_tokens`` (the positions pushed
@@ -148,6 +159,8 @@ class HFRolloutEngine(RolloutEngine):
         tree_prefill: bool | None = None,
         small_batch_rows: int | None = None,
         decode_cache: str | None = None,
+        merged_copy: MergedCopy | None = None,
+        merge_lora: bool = True,
     ) -> None:
         check_sampling_config(cfg)
         if cfg.micro_batch_size < 1:
@@ -167,6 +180,11 @@ class HFRolloutEngine(RolloutEngine):
         sample_dtype = cfg.engine_kwargs.get(SAMPLE_DTYPE.name, SAMPLE_DTYPE.default)
         sample_dtype = SAMPLE_DTYPE.check(sample_dtype, "rollout.engine_kwargs.sample_dtype")
         self._copy = SamplerCopy(torch.bfloat16) if sample_dtype == "bfloat16" else None
+        # a LoRA model is sampled merged (bf16 with sample_dtype=bfloat16)
+        self.merged_copy: MergedCopy | None = None
+        if merge_lora and is_lora_model(model):
+            dtype = torch.bfloat16 if self._copy is not None else None
+            self.merged_copy = merged_copy if merged_copy is not None else MergedCopy(dtype)
         self._static: list[StaticDecoder] = []  # shared with capped() views
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
@@ -259,15 +277,29 @@ class HFRolloutEngine(RolloutEngine):
         keys: list[Hashable | None] | None = None,
         turn_cache: TurnKVCache | None = None,
     ) -> Batch:
-        """``_sample_with_model`` with ``model`` the module sampled with: the actor's, or its
-        bf16 copy refreshed in place (``sample_dtype=bfloat16``, ``rollout.sampler_copy``)."""
-        if self._copy is None:
+        """``_sample_with_model`` with ``model`` the module sampled with
+        (``sampling_module``)."""
+        sampler = self.sampling_module()
+        if sampler is self.model:
             return self._sample_with_model(prompts, greedy, temperature, keys, turn_cache)
-        master, self.model = self.model, self._copy.refreshed(self.model)
+        master, self.model = self.model, sampler
         try:
             return self._sample_with_model(prompts, greedy, temperature, keys, turn_cache)
         finally:
             self.model = master
+
+    def sampling_module(self) -> torch.nn.Module:
+        """The module the next call samples with, refreshed from ``model``: a LoRA model's
+        merged copy (``rollout.merged_copy``; bf16 with ``sample_dtype=bfloat16``), else the
+        bf16 copy (``sample_dtype=bfloat16``, ``rollout.sampler_copy``), else ``model`` itself
+        (a peft model that cannot be merged exactly is sampled as it is)."""
+        if self.merged_copy is not None:
+            merged = self.merged_copy.refreshed(self.model)
+            if merged is not None:
+                return merged
+        if self._copy is not None:
+            return self._copy.refreshed(self.model)
+        return self.model
 
     def _sample_with_model(
         self,

@@ -5,7 +5,9 @@ AdamW over the adapters; every computation is one of creditrl's.
 - losses: ``creditrl.tinker.losses`` (creditrl's policy losses, summed over tokens);
 - LoRA: ``creditrl.models.apply_lora`` (peft); AdamW: ``creditrl.workers.optim.build_optimizer``;
 - sampling: ``creditrl.rollout.hf_engine.HFRolloutEngine`` over the same module, so a sampled
-  token's log-prob is the training forward's (at temperature 1).
+  token's log-prob is the training forward's (at temperature 1); a LoRA model is sampled from
+  its adapters merged into a plain copy the policy keeps across calls (``merged``, refreshed
+  once per weight change: ``creditrl.rollout.merged_copy``), equal to float rounding.
 
 A Tinker datum is input tokens x_0..x_{L-1} with one target per position, scored from the
 logits at that position: log π(target_t | x_0..x_t). ``datum_batch`` lays it out as creditrl's
@@ -26,6 +28,7 @@ from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config.schema import OptimConfig, RolloutConfig
 from creditrl.models import apply_lora, load_causal_lm, load_tokenizer
 from creditrl.rollout.hf_engine import HFRolloutEngine
+from creditrl.rollout.merged_copy import MergedCopy
 from creditrl.rollout.sampling import eos_token_ids_of
 from creditrl.tinker.losses import check_loss, loss_inputs, tinker_loss
 from creditrl.tinker.messages import BadRequest, Datum, SampledSequence
@@ -140,6 +143,9 @@ class Policy:
                 torch.manual_seed(lora.seed if lora.seed is not None else 0)
                 module = apply_lora(module, lora.rank, LORA_ALPHA, _targets(module, lora))
         self.module = module
+        # the LoRA model merged into a plain copy to sample with, shared by the engines of
+        # every sample call (one per call), so it merges once per weight change
+        self.merged = MergedCopy() if lora is not None else None
         self.optimizer = None
         if lora is not None:
             params = [p for p in module.parameters() if p.requires_grad]
@@ -317,7 +323,13 @@ class Policy:
             top_p=params.top_p,
             micro_batch_size=len(rows),
         )
-        engine = HFRolloutEngine(self.module, self.tokenizer, cfg, eos_token_ids=params.stop_ids)
+        engine = HFRolloutEngine(
+            self.module,
+            self.tokenizer,
+            cfg,
+            eos_token_ids=params.stop_ids,
+            merged_copy=self.merged,
+        )
         prompts = {"input_ids": ids, "attention_mask": mask, "sample_seed": torch.cat(seeds)}
         out = engine.generate(Batch.from_dict(prompts), greedy=params.temperature == 0)
         lengths = out["response_mask"].sum(-1).tolist()

@@ -9,7 +9,9 @@ Batch). Methods take a Batch and return a Batch of the new fields only, or a met
 
 Weights the rollout uses, from what the engine declares (``creditrl.rollout.RolloutEngine``):
 an engine that ``samples_with_actor_module`` (``hf``) samples with the actor's own modules
-under ``ddp`` and in one process, so an update is visible at once; under ``fsdp2`` the actor's
+under ``ddp`` and in one process, so an update is visible at once (a LoRA actor through the
+merged copy the HF engine refreshes from it once per weight version,
+``creditrl.rollout.merged_copy``); under ``fsdp2`` the actor's
 parameters are sharded, so the engine holds a full copy that ``sync_rollout_weights``
 refreshes from the shards after each update (all ranks must generate the same number of
 forward passes otherwise, which sampling cannot promise). An engine with its own weights
