@@ -210,6 +210,52 @@ def test_what_cannot_be_merged_exactly_is_sampled_through_peft(model, tokenizer)
     assert merge_unsupported(model) == "it is not a peft model"
 
 
+def _nudge_adapters(lora: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.mul_(1.5)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_static_decode_keeps_its_steps_across_merges(model, tokenizer, device):
+    """The static decoder (a CUDA graph on CUDA, eager on the CPU) is built over the merged
+    copy and kept across a merge (written in place: no pointer moves, nothing rebuilt); its
+    samples follow the new adapters, those of the dynamic path through peft."""
+    lora = lora_of(model).to(device)
+    prompts = prompt_batch(PROMPTS, repeat=2)
+    engine = tiny_hf_engine(lora, tokenizer, engine_kwargs={"decode_cache": "static"})
+    engine.generate(prompts, seed=1)
+    decoder = engine._static[0]
+    assert decoder.model is engine.merged_copy.module
+    built, steps = decoder.built, dict(decoder.steps)
+    _nudge_adapters(lora)
+    out = engine.generate(prompts, seed=1)
+    assert engine.merged_copy.merges == 2
+    assert decoder.built == built and dict(decoder.steps) == steps
+    assert engine.last_stats["graph_decode"] == float(device == "cuda")
+    peft = tiny_hf_engine(
+        lora, tokenizer, merge_lora=False, engine_kwargs={"decode_cache": "dynamic"}
+    )
+    reference = peft.generate(prompts, seed=1)
+    assert torch.equal(out["responses"], reference["responses"])
+    torch.testing.assert_close(
+        out["rollout_log_probs"], reference["rollout_log_probs"], atol=LOG_PROB_ATOL, rtol=0
+    )
+
+
 # ---- creditrl train --------------------------------------------------------------------------
 
 
