@@ -11,7 +11,9 @@ weight_version, queued?}, ``ack`` {incarnation, weight_version, queued?, acks: [
 reason?}]} (``acks`` may be empty: after each step every sampler hears the learner's version
 and queue), ``stop`` {reason}, ``disconnected`` {reason, rejected}. ``queued`` counts the
 groups of other samplers waiting in the learner's buffer, to be trained before any group the
-addressed sampler sends next. ``seq`` numbers a sampler's groups 0,
+addressed sampler sends next. A sampler decodes what the learner sends with the same care:
+``weight_version`` and ``queued`` ints in [0, 2**53), ``incarnation`` a short id; a message
+that fails is logged and skipped. ``seq`` numbers a sampler's groups 0,
 1, 2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its
 k-th answer. A ``rejected`` acknowledgement names its ``reason`` (``validation.REASONS``) and
 has ``seq`` null when the message carried no readable one. ``disconnected`` tells a sampler
@@ -189,6 +191,23 @@ def _check_ack(header: dict[str, Any]) -> None:
         raise MessageError("ack header needs 'acks': [{seq: int, status: str, reason?: str}]")
 
 
+def _check_learner_header(header: dict[str, Any]) -> None:
+    """The fields of a welcome or ack a sampler paces itself by: ``weight_version`` and
+    ``queued`` ints in [0, 2**53), ``incarnation`` a short id. MessageError (reason
+    ``protocol``: a learner's kind, which a learner receiving it refuses as such) otherwise."""
+    for key in ("weight_version", "queued"):
+        if (key in header or key == "weight_version") and not _is_int(header.get(key)):
+            raise MessageError(
+                f"header field {key!r} must be an int in [0, 2**53), got {header.get(key)!r:.80}"
+            )
+    incarnation = header.get("incarnation")
+    if not (isinstance(incarnation, str) and _ID.match(incarnation)):
+        raise MessageError(
+            "header field 'incarnation' must be 1-64 characters of [A-Za-z0-9_.-], "
+            f"got {incarnation!r:.80}"
+        )
+
+
 def _header(frames: list[bytes]) -> dict[str, Any]:
     if len(frames) < 2 or bytes(frames[0]) != PROTOCOL:
         raise MessageError(f"not a {PROTOCOL.decode()} message ({len(frames)} frames)")
@@ -221,8 +240,8 @@ def decode(frames: list[bytes], json_limits: JsonLimits = DEFAULT_JSON_LIMITS) -
             check_sampler_id(header.get("sampler_id"))
         if kind == "ack":
             _check_ack(header)
-        if kind in ("welcome", "ack") and "queued" in header:
-            _int(header, "queued")
+        if kind in ("welcome", "ack"):
+            _check_learner_header(header)
         return Message(kind, header)
     except MessageError as e:
         e.seq = seq

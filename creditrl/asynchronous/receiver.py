@@ -111,6 +111,7 @@ class GroupReceiver:
             max_response=cfg.rollout.max_response_length,
             optional=frozenset(name for name, sent in optional.items() if sent),
             temperature=cfg.rollout.temperature,
+            kept_per_token=kept_sets_recorded(cfg) and not strategy_traits(cfg).multi_turn,
         )
         self.groups_per_step = cfg.data.train_batch_size
         self.ledger = DeliveryLedger()

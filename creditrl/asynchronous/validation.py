@@ -14,7 +14,8 @@ one per id of the row); it also tells the bytes the group holds, which the learn
 bounded by (``max_group_bytes`` is the most an accepted group holds).
 ``GroupLimits.check`` needs the learner's config and state: group size ``rollout.n``, widths
 within ``data.max_prompt_length`` / ``rollout.max_response_length``, token ids below the
-model's vocabulary, kept-set sizes (sampling replay) at most the vocabulary, the optional
+model's vocabulary, kept-set sizes (sampling replay) at most the vocabulary and, in
+single-turn runs, at least 1 for every sampled token, the optional
 fields this run sends, a weight version not in the future.
 
 Unknown fields are refused (``fields``), never dropped: a sampler that writes fields this
@@ -395,6 +396,9 @@ class GroupLimits:
     max_response: int
     optional: frozenset[str] = frozenset()
     temperature: float | None = None
+    # every response token was sampled under a kept set of >= 1 tokens (single-turn replay:
+    # no observation tokens, whose size is 0, and no empty-episode placeholder)
+    kept_per_token: bool = False
 
     def check(self, group: Batch, sampler_id: str, seq: int, version: int, current: int) -> None:
         """MessageError unless group ``seq`` (sampled by weight ``version``; the learner is at
@@ -432,6 +436,14 @@ class GroupLimits:
             raise MessageError(
                 f"{where}: rollout_kept_counts holds a kept set of {int(kept.max())} tokens, "
                 f"more than the vocabulary's {self.vocab_size}",
+                "value",
+            )
+        sampled = group["response_mask"].bool()
+        if kept is not None and self.kept_per_token and bool((kept[sampled] < 1).any()):
+            # a size of 0 replays the whole vocabulary: log-probs of another distribution
+            raise MessageError(
+                f"{where}: rollout_kept_counts is 0 for a sampled token (its kept set holds "
+                "at least that token)",
                 "value",
             )
         if version > current:
