@@ -6,13 +6,17 @@ turn, the tool messages, and the next assistant header. That text is found by re
 conversation whose last assistant content is a unique marker and taking what follows the marker;
 only this text is encoded, and its ids are appended to the trajectory (``response_mask`` 0).
 If the assistant's turn already ended with the template's end-of-turn token (e.g. ChatML's
-``<|im_end|>`` sampled as EOS), that token's text is not repeated.
+``<|im_end|>`` sampled as EOS), that token's text is not repeated. Every render is bounded in
+time on whichever thread runs it (``creditrl.data.render_bound``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from creditrl.data import render_bound
+from creditrl.data.render_bound import time_bound
 
 __all__ = ["ChatFormat"]
 
@@ -40,19 +44,25 @@ class ChatFormat:
             ) from e
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        """The template's text for ``messages``."""
-        return self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The template's text for ``messages``; ``RenderTimeout`` past
+        ``render_bound.RENDER_TIME_S``, on any thread."""
+        with time_bound(render_bound.RENDER_TIME_S):
+            return self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
 
     def ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
-        """Token ids of the whole conversation rendered at once (what drift checks compare to)."""
-        out = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
-            tokenize=True,
-            add_generation_prompt=add_generation_prompt,
-            return_dict=False,
-        )
+        """Token ids of the whole conversation rendered at once (what drift checks compare to);
+        ``RenderTimeout`` past ``render_bound.RENDER_TIME_S``, on any thread."""
+        with time_bound(render_bound.RENDER_TIME_S):
+            out = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                return_dict=False,
+            )
         if isinstance(out, Mapping):
             out = out["input_ids"]
         return [int(t) for t in out]

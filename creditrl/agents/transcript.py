@@ -32,6 +32,8 @@ from typing import Any
 from creditrl.agents.chat import ChatFormat
 from creditrl.agents.drift import first_divergence
 from creditrl.agents.loop import Trajectory
+from creditrl.data import render_bound
+from creditrl.data.render_bound import time_bound
 from creditrl.rollout.continuation import TurnOutput
 
 __all__ = ["Transcript", "message_text", "render_ids"]
@@ -66,15 +68,17 @@ def render_ids(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any, generation: bool
 ) -> list[int]:
     """Token ids of ``messages`` (and ``tools``, for templates that render them) under the chat
-    template."""
+    template; ``RenderTimeout`` past ``render_bound.RENDER_TIME_S`` (the endpoint renders on a
+    worker thread: the bound holds there too)."""
     kwargs = {"tools": tools} if tools else {}
-    out = tokenizer.apply_chat_template(
-        _plain(messages),
-        tokenize=True,
-        add_generation_prompt=generation,
-        return_dict=False,
-        **kwargs,
-    )
+    with time_bound(render_bound.RENDER_TIME_S):
+        out = tokenizer.apply_chat_template(
+            _plain(messages),
+            tokenize=True,
+            add_generation_prompt=generation,
+            return_dict=False,
+            **kwargs,
+        )
     if isinstance(out, Mapping):
         out = out["input_ids"]
     return [int(t) for t in out]

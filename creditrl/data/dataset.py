@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from creditrl.batch import Batch
+from creditrl.data import render_bound
 from creditrl.data.collate import collate_prompts
 from creditrl.data.render_bound import RenderTimeout, time_bound
 from creditrl.data.rows import PromptRow
@@ -20,7 +21,7 @@ __all__ = ["OVERLONG_MODES", "PromptDataset", "chat_prompt_ids", "max_token_char
 logger = logging.getLogger(__name__)
 
 OVERLONG_MODES = ("drop", "raise")
-RENDER_TIME_S = 5.0  # one prompt's render: the budget of the template's load-time check
+RENDER_TIME_S = render_bound.RENDER_TIME_S  # one prompt's render (the load-time check's)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
