@@ -46,6 +46,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    for flag, value in (("--max-sessions", args.max_sessions), ("--max-models", args.max_models)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1")
     api_key = args.api_key
     if api_key is None and not is_loopback(args.host):
         api_key = f"tml-{secrets.token_urlsafe(24)}"
