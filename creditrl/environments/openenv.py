@@ -10,9 +10,21 @@ unless the user's own server does):
 - a local server process: ``file.py:app`` or ``module:app``, the FastAPI app OpenEnv's
   ``create_app`` made (an environment's ``server/app.py``). creditrl serves it with uvicorn in
   a child process on 127.0.0.1 at a free port, for as long as the creditrl process lives; each
-  episode opens its own WebSocket session with OpenEnv's ``GenericEnvClient`` (a session the
-  server refuses for capacity is retried until one frees up);
+  episode opens its own WebSocket session on the server's ``/ws`` (a session the server
+  refuses for capacity is retried until one frees up);
 - a server already running: ``http://127.0.0.1:8000`` (or ``ws://``), e.g. ``uv run server``.
+  Talking to a server needs no openenv package: creditrl speaks OpenEnv's WebSocket protocol
+  itself (``{"type": "reset"|"step", "data": ...}`` answered by ``{"type": "observation",
+  "data": {"observation", "reward", "done"}}`` or ``{"type": "error", "data": {"message",
+  "code"}}``), over aiohttp.
+
+A server's answers are untrusted: ``/schema`` is read within ``SCHEMA_BYTES`` and
+``SCHEMA_S``; a WebSocket message is at most ``MAX_MESSAGE_BYTES`` (refused by aiohttp before
+it is buffered whole) and decoded within ``MESSAGE_LIMITS``; the observation must be an
+object, ``done`` a bool and the reward a number or null, else the episode ends as an error
+naming what was wrong (one line). A NaN or infinite reward makes the episode's sum not finite
+(``bad_reward``); a server that never answers is bounded by ``agent.episode_timeout_s`` (while
+the rows are built, by ``RESET_S``); one that never ends an episode by ``env.max_steps``.
 
 Rows: an OpenEnv environment has no dataset; its prompts are its first observations.
 Training row ``i`` is ``reset(seed=data.seed + i)`` for ``i < data.train_size``; validation row
@@ -48,10 +60,11 @@ import threading
 import time
 import typing
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.config.schema import Config, EnvConfig
 from creditrl.data.dataset import PromptDataset
 from creditrl.data.rows import PromptRow, parse_row
@@ -81,6 +94,15 @@ SERVER_START_S = 60.0  # how long a served app may take to answer /health
 RESET_S = 60.0  # how long one reset() may take while the rows are built
 CAPACITY_RETRY_S = 0.05  # wait before asking a full server for a session again
 LENGTH_CODES = ("budget_exhausted", "context_too_long")  # the endpoint's "no room left"
+SCHEMA_BYTES = 1 << 20  # a server's /schema (action and observation JSON schemas)
+SCHEMA_LIMITS = JsonLimits(max_bytes=SCHEMA_BYTES, max_depth=32, max_items=1 << 16)
+SCHEMA_S = 10.0  # how long reading /schema may take in all
+# one message of a server: an observation larger than the endpoint's request limit (4 MiB)
+# could not reach the model anyway
+MAX_MESSAGE_BYTES = 4 << 20
+MESSAGE_LIMITS = JsonLimits(max_bytes=MAX_MESSAGE_BYTES, max_depth=64, max_items=1 << 18)
+CONNECT_S = 60.0  # opening a session's WebSocket
+CAPACITY = "CAPACITY_REACHED"  # the error code of a server that has no free session
 NOT_TEXT = ("done", "reward", "metadata")  # observation fields that are not its text
 
 _lock = threading.Lock()
@@ -197,70 +219,146 @@ class _InProcessSession:
         return self._outcome(await self.env.step_async(self.action_cls(**{self.text_field: text})))
 
 
+class ServerError(Exception):
+    """An OpenEnv server's answer that breaks the protocol or a bound (one line)."""
+
+
+def _http_base(url: str) -> str:
+    return "http" + url[2:] if url.startswith("ws") else url
+
+
+def _read_schema(base_url: str, origin: str) -> dict[str, Any]:
+    """The server's ``/schema``, read within ``SCHEMA_BYTES`` and ``SCHEMA_S`` in all (a
+    server trickling an endless body is cut off) and decoded within ``SCHEMA_LIMITS``."""
+    deadline = time.monotonic() + SCHEMA_S
+    try:
+        with urllib.request.urlopen(f"{_http_base(base_url)}/schema", timeout=SCHEMA_S) as answer:
+            raw = b""
+            while len(raw) <= SCHEMA_BYTES:
+                if time.monotonic() > deadline:
+                    raise ServerError(f"its /schema took over {SCHEMA_S:g} s")
+                chunk = answer.read1(1 << 16)
+                if not chunk:
+                    break
+                raw += chunk
+        if len(raw) > SCHEMA_BYTES:
+            raise ServerError(f"its /schema is over {SCHEMA_BYTES} bytes")
+        schema = loads_bounded(raw, SCHEMA_LIMITS, allow_nan=False)
+        if not isinstance(schema, dict):
+            raise ServerError("its /schema is not a JSON object")
+    except Exception as e:
+        raise UserCodeError(
+            f"env.openenv: the OpenEnv server of {origin} gave no /schema: "
+            f"{type(e).__name__}: {one_line(e, 160)}"
+        ) from None
+    return schema
+
+
 class ServerTarget(OpenEnvTarget):
     """An OpenEnv server on this machine (served by creditrl or already running): one
-    WebSocket session per episode through ``GenericEnvClient``."""
+    WebSocket session per episode on its ``/ws`` (module docstring)."""
 
     def __init__(self, base_url: str, origin: str) -> None:
         self.base_url = base_url.rstrip("/")
-        http = "http" + self.base_url[2:] if self.base_url.startswith("ws") else self.base_url
-        try:
-            with urllib.request.urlopen(f"{http}/schema", timeout=10) as response:
-                schema = json.loads(response.read())
-        except Exception as e:
-            raise UserCodeError(
-                f"env.openenv: the OpenEnv server of {origin} gave no /schema: "
-                f"{type(e).__name__}: {one_line(e, 160)}"
-            ) from None
+        schema = _read_schema(self.base_url, origin)
         self.text_field = _text_field(schema.get("action") or {}, origin)
+        http = _http_base(self.base_url)
+        self.ws_url = "ws" + http[4:] + "/ws"  # http -> ws, https -> wss
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Any]:
-        from openenv.core import GenericEnvClient
+        import aiohttp
 
-        while True:
-            # the episode's own timeout (agent.episode_timeout_s) bounds every wait
-            client = GenericEnvClient(
-                base_url=self.base_url, connect_timeout_s=60.0, message_timeout_s=None
-            )
+        # the episode's own timeout (agent.episode_timeout_s) bounds every wait
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            session = _ServerSession(http, self.ws_url, self.text_field)
             try:
-                await client.connect()
-                break
-            except Exception as e:  # a full server refuses the session: wait for a free one
-                await client.close()
-                if "CAPACITY_REACHED" not in str(e):
-                    raise
-                await asyncio.sleep(CAPACITY_RETRY_S)
-        try:
-            yield _ServerSession(client, self.text_field)
-        finally:
-            await client.close()
+                yield session
+            finally:
+                await session.close()
 
 
 class _ServerSession:
-    def __init__(self, client: Any, text_field: str) -> None:
-        self.client, self.text_field = client, text_field
+    """One episode's WebSocket session (opened at the first call; a session the server
+    refuses for capacity is opened again after ``CAPACITY_RETRY_S``)."""
 
-    async def _call(self, fn: Callable[[], Any]) -> StepOutcome:
+    def __init__(self, http: Any, ws_url: str, text_field: str) -> None:
+        self.http, self.ws_url, self.text_field = http, ws_url, text_field
+        self.ws: Any = None
+
+    async def close(self) -> None:
+        if self.ws is not None and not self.ws.closed:
+            with contextlib.suppress(Exception):
+                await self.ws.send_str('{"type": "close"}')
+            with contextlib.suppress(Exception):
+                await self.ws.close()
+        self.ws = None
+
+    async def _receive(self) -> dict[str, Any]:
+        import aiohttp
+
+        message = await self.ws.receive()
+        if message.type == aiohttp.WSMsgType.ERROR:
+            if getattr(message.data, "code", None) == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+                raise ServerError(f"the server sent a message over {MAX_MESSAGE_BYTES} bytes")
+            raise ServerError(f"the session failed: {one_line(message.data, 160)}")
+        if message.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            raise ServerError("the server closed the session")
+        try:
+            reply = loads_bounded(message.data, MESSAGE_LIMITS)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and JsonLimitError too
+            raise ServerError(f"the server answered invalid JSON: {one_line(e, 160)}") from None
+        if not isinstance(reply, dict):
+            raise ServerError("the server answered JSON that is not an object")
+        return reply
+
+    async def _call(self, request: dict[str, Any]) -> StepOutcome:
+        import aiohttp
+
         while True:
-            try:
-                result = await fn()
-                break
-            except RuntimeError as e:  # the session was refused for capacity at its first call
-                if "CAPACITY_REACHED" not in str(e):
-                    raise
+            if self.ws is None or self.ws.closed:
+                self.ws = await self.http.ws_connect(self.ws_url, max_msg_size=MAX_MESSAGE_BYTES)
+            with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+                # a refused session sends its error, then closes: read the error below
+                await self.ws.send_str(json.dumps(request))
+            reply = await self._receive()
+            if reply.get("type") != "error":
+                return _outcome(reply, request["type"])
+            data = reply.get("data") if isinstance(reply.get("data"), dict) else {}
+            if data.get("code") == CAPACITY:
+                await self.close()
                 await asyncio.sleep(CAPACITY_RETRY_S)
-        reward = result.reward
-        return StepOutcome(
-            dict(result.observation or {}), None if reward is None else float(reward),
-            bool(result.done),
-        )  # fmt: skip
+                continue
+            raise ServerError(
+                f"{request['type']} failed on the server: {one_line(data.get('message'), 200)} "
+                f"(code {one_line(data.get('code'), 40)})"
+            )
 
     async def reset(self, seed: int) -> StepOutcome:
-        return await self._call(lambda: self.client.reset(seed=seed))
+        return await self._call({"type": "reset", "data": {"seed": seed}})
 
     async def step(self, text: str) -> StepOutcome:
-        return await self._call(lambda: self.client.step({self.text_field: text}))
+        return await self._call({"type": "step", "data": {self.text_field: text}})
+
+
+def _outcome(reply: dict[str, Any], kind: str) -> StepOutcome:
+    """A server's ``observation`` answer to ``kind`` (reset or step), its types checked."""
+    data = reply.get("data")
+    if reply.get("type") != "observation" or not isinstance(data, dict):
+        raise ServerError(f"the server answered {kind} with no observation message")
+    observation, reward, done = data.get("observation"), data.get("reward"), data.get("done")
+    if not isinstance(observation, dict):
+        raise ServerError(f"the server's {kind} observation is not an object")
+    if not isinstance(done, bool):
+        raise ServerError(f"the server's {kind} 'done' is {type(done).__name__}, not a bool")
+    if reward is not None and (not isinstance(reward, int | float) or isinstance(reward, bool)):
+        raise ServerError(f"the server's {kind} reward is {type(reward).__name__}, not a number")
+    try:
+        value = None if reward is None else float(reward)
+    except OverflowError:  # an int beyond float: as infinite as 1e400
+        value = float("inf")
+    return StepOutcome(observation, value, done)
 
 
 def _action_class(env_cls: type, spec: str) -> type:
@@ -346,16 +444,19 @@ def load_openenv_environment(env_cfg: EnvConfig) -> OpenEnvTarget:
 
 
 def _load(spec: str, kwargs: dict[str, Any]) -> OpenEnvTarget:
+    if spec.startswith(URL_SCHEMES):  # a running server: no openenv package needed
+        if kwargs:
+            raise ConfigError(f"env.kwargs: {spec} is a server, which takes no keyword arguments")
+        return ServerTarget(spec, spec)
     env_server = _openenv()
-    served = spec.startswith(URL_SCHEMES)
-    obj = None if served else load_user_object(spec, "env.openenv")
+    obj = load_user_object(spec, "env.openenv")
     if isinstance(obj, type) and issubclass(obj, env_server.Environment):
         return InProcessTarget(obj, kwargs, spec)
-    served = served or (hasattr(obj, "router") and hasattr(obj, "routes"))  # an ASGI app
+    served = hasattr(obj, "router") and hasattr(obj, "routes")  # an ASGI app
     if served and kwargs:
         raise ConfigError(f"env.kwargs: {spec} is a server, which takes no keyword arguments")
     if served:
-        return ServerTarget(spec if obj is None else serve_app(spec), spec)
+        return ServerTarget(serve_app(spec), spec)
     raise UserCodeError(
         f"env.openenv: {spec} is a {type(obj).__name__}, not an OpenEnv Environment subclass "
         "or the app create_app made"
