@@ -3,7 +3,7 @@ endpoint (its rows as prompts, its rollout per trajectory, its rubric as the sco
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -20,11 +20,30 @@ from creditrl.models.tiny import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = Path(__file__).parent / "programs" / "verifiers_envs.py"
+V1 = Path(__file__).parent / "programs" / "verifiers_v1_envs.py"
 CHAIN_SUM = ROOT / "examples" / "verifiers_chain_sum.py"
 CALCULATOR = ROOT / "examples" / "verifiers_calculator.py"
-needs_verifiers = pytest.mark.skipif(
-    importlib.util.find_spec("verifiers") is None,
-    reason="needs the verifiers extra: pip install 'creditrl[verifiers]'",
+V1_SUM = ROOT / "examples" / "verifiers_v1_chain_sum.py"
+
+
+def _verifiers_version() -> tuple[int, ...] | None:
+    """The installed verifiers' (major, minor), read without importing it."""
+    try:
+        return tuple(int(p) for p in importlib.metadata.version("verifiers").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+VF = _verifiers_version()
+needs_verifiers = pytest.mark.skipif(  # the classic API: verifiers 0.3 (make install's)
+    VF is None or VF >= (0, 4),
+    reason="needs verifiers 0.3, whose classic API these environments use (0.4 keeps only "
+    "verifiers.v1): pip install 'creditrl[verifiers]' 'verifiers<0.4'",
+)
+needs_v1 = pytest.mark.skipif(
+    VF is None or not (0, 3) <= VF < (0, 5),
+    reason="needs the verifiers extra (verifiers.v1, in 0.3 and 0.4): "
+    "pip install 'creditrl[verifiers]'",
 )
 
 
@@ -368,3 +387,299 @@ def test_a_spent_budget_ends_the_rollout_scored_by_the_rubric(tmp_path: Path) ->
     assert step["endpoint/refused"] >= 4
     assert 0.0 <= step["reward/vf_says_answer_mean"] <= 1.0
     assert step["response_length/mean"] == 8
+
+
+# ---- verifiers.v1 (0.4's API, also in 0.3): a Taskset played by a harness ------------------
+
+
+def v1_scripted(tok, spec: str, replies: list[list[str]], *extra: str, unrecorded: str = "ok"):
+    """(rollout, prompts) as ``scripted`` for a verifiers.v1 environment: its episodes run
+    through the interception and the relay to the endpoint, each turn forced to ``replies``."""
+    from creditrl.agents.program import ProgramRollout
+    from creditrl.data import collate_prompts
+    from creditrl.environments.verifiers import (
+        check_environment,
+        environment_datasets,
+        environment_program,
+        load_verifiers_environment,
+    )
+
+    cfg = env_config(Path("unused"), spec, "rollout.max_response_length=96", *extra)
+    check_environment(cfg)  # prepares the harnesses' programs
+    train, _ = environment_datasets(cfg, tok)
+    eos = tok.eos_token_id
+    scripts = [[[*tok.encode(t, add_special_tokens=False), eos] for t in r] for r in replies]
+    rollout = ProgramRollout(
+        None, tok, cfg.agent, cfg.rollout, fallback_score=-1.0,
+        max_prompt_length=cfg.data.max_prompt_length,
+        turn_generator=forced(scripts, eos, [*tok.encode(unrecorded, add_special_tokens=False),
+                                             eos]),
+        program=environment_program(load_verifiers_environment(cfg.env)),
+    )  # fmt: skip
+    rows = [train[0], train[0], train[1], train[1]]
+    return rollout, collate_prompts(rows, tok.pad_token_id)
+
+
+@needs_v1
+def test_a_v1_env_with_the_null_harness_trains_two_steps(tmp_path: Path, monkeypatch) -> None:
+    """make run's chain_sum as a v1 Taskset played by verifiers' own null harness (its chat
+    program, in the subprocess runtime, with this interpreter: prepared once, without uv): two
+    steps, every episode ok, the task's rewards logged, the endpoint's drift counters as for
+    the classic path."""
+    from creditrl.environments import verifiers_v1
+    from creditrl.trainers.rl_trainer import RLTrainer
+
+    async def no_uv(*_: Any) -> None:
+        raise AssertionError("the null program was to run with this interpreter")
+
+    checked = []
+    lacks = verifiers_v1.interpreter_lacks
+    monkeypatch.setattr(verifiers_v1, "_uv_prepare", no_uv)
+    monkeypatch.setattr(verifiers_v1, "interpreter_lacks", lambda s: checked.append(s) or lacks(s))
+    cfg = env_config(
+        tmp_path, f"{V1_SUM}:load_environment", "env.kwargs.size=8", "trainer.total_steps=2",
+        "rollout.max_response_length=24",
+    )  # fmt: skip
+    RLTrainer(cfg).fit()
+    steps = step_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["agent/episodes_ok"] == 4 and "agent/episodes_error" not in s
+        assert 0.0 <= s["reward/vf_correct_answer_mean"] <= 1.0
+        assert s["reward/vf_answer_format_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+        assert s["tokenization/endpoint_drift_rate"] == 0.0 and s["endpoint/refused"] == 0
+        assert s["num_turns/mean"] == 1.0 and s["endpoint/requests"] >= 4
+        assert sum(v for k, v in s.items() if k.startswith("agent/stop_")) == pytest.approx(1.0)
+    assert len(checked) <= 1  # decided once per process (0: an earlier test did), not per episode
+
+
+@needs_v1
+@pytest.mark.parametrize("mode", ["plain", "stream"])
+def test_a_v1_episode_is_token_exact_and_scored_by_its_task(tok, mode: str) -> None:
+    """Two turns of the file's in-process harness (streamed or not): the environment's user
+    turn is an observation (mask 0), the task's reward is the score, its reward and metric are
+    the parts, nothing drifts."""
+    spec = f"{V1}:chat"
+    rollout, prompts = v1_scripted(tok, spec, [["8", "7"], ["9", "1"], ["4", "4"], ["4", "5"]],
+                                   f"env.kwargs.mode={mode}")  # fmt: skip
+    batch = run(rollout, prompts)
+    rewards = [e["program_reward"] for e in batch["extra_info"]]
+    assert rewards == [
+        {"score": 1.0, "vf_says_answer": 1.0, "vf_turns": 2.0},
+        {"score": 0.0, "vf_says_answer": 0.0, "vf_turns": 2.0},
+        {"score": 1.0, "vf_says_answer": 1.0, "vf_turns": 2.0},
+        {"score": 0.0, "vf_says_answer": 0.0, "vf_turns": 2.0},
+    ]
+    for i in range(len(batch)):
+        info = batch["agent_info"][i]
+        assert info["episode"] == "ok" and info["endpoint_drift"] == [] and info["requests"] == 2
+        assert info["stop_reason"] == "done" and batch["num_turns"][i] == 2
+        mask = batch["response_mask"][i].bool()
+        real = batch["attention_mask"][i, -mask.shape[0] :].bool()
+        assert "Are you sure?" in tok.decode(batch["responses"][i][real & ~mask].tolist())
+    assert rollout.last_metrics["agent/episodes_ok"] == 4
+    assert rollout.last_metrics["tokenization/endpoint_drift_rate"] == 0.0
+
+
+@needs_v1
+def test_a_v1_environment_trains_async(tmp_path: Path) -> None:
+    """The learner and one sampler (their loops, in this process): the sampler runs the v1
+    episodes, the learner trains on them and logs the task's parts."""
+    from creditrl.asynchronous.launcher import free_port, load_from_args
+    from creditrl.asynchronous.learner import Learner
+
+    args = [f"model.path={tiny_model_dir()}", f"env.verifiers={V1}:chat", "env.kwargs.turns=1",
+            "actor.autocast=none", "data.train_batch_size=2", "rollout.n=2",
+            "rollout.max_response_length=16", "data.max_prompt_length=1024",
+            "actor.ppo_mini_batch_size=1", "reward.num_workers=0", "trainer.total_steps=1",
+            "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}",
+            "asynchronous.num_samplers=1"]  # fmt: skip
+    cfg, _, _ = load_from_args(args)
+    train_async_in_process(Learner(cfg, port=free_port()), cfg)
+    (step,) = step_metrics(tmp_path)
+    assert 0.0 <= step["critic/score/mean"] <= 1.0
+    assert 0.0 <= step["reward/vf_says_answer_mean"] <= 1.0 and step["reward/vf_turns_mean"] == 1.0
+
+
+@needs_v1
+def test_a_v1_rewritten_history_is_located_per_trajectory(tok) -> None:
+    rollout, prompts = v1_scripted(tok, f"{V1}:chat", [["7", "yes"]] * 4, "env.kwargs.mode=rewrite")
+    batch = run(rollout, prompts)
+    for info in batch["agent_info"]:
+        assert info["episode"] == "ok" and info["stop_reason"] == "rewritten"
+        (drift,) = info["endpoint_drift"]
+        assert drift["turn"] == 1 and drift["recorded_text"] == "7<|im_end|>"
+        assert drift["rendered_text"].startswith("rewritten<|im_end|>")
+    assert rollout.last_metrics["tokenization/endpoint_rewritten"] == 4
+
+
+@needs_v1
+def test_a_v1_spent_budget_is_a_truncation_scored_by_the_task(tok) -> None:
+    """The first reply spends the budget; the second request is refused for length, so
+    verifiers fails the rollout: creditrl stops it as truncated and the task scores it."""
+    long = " ".join(["7"] * 40)
+    rollout, prompts = v1_scripted(tok, f"{V1}:chat", [[long, "7"]] * 4,
+                                   "rollout.max_response_length=16")  # fmt: skip
+    batch = run(rollout, prompts)
+    rewards = [e["program_reward"] for e in batch["extra_info"]]
+    assert [r["score"] for r in rewards] == [1.0, 1.0, 0.0, 0.0]
+    assert all(r["vf_turns"] == 1.0 for r in rewards)
+    assert [a["episode"] for a in batch["agent_info"]] == ["ok"] * 4
+    assert all(a["stop_reason"] == "length" for a in batch["agent_info"])
+    assert rollout.last_metrics["endpoint/refused"] >= 4
+
+
+@needs_v1
+@pytest.mark.parametrize(
+    ("kwarg", "why"),
+    [
+        ("env.kwargs.mode=raise", "HarnessError: harness 'creditrl_user_"),
+        ("env.kwargs.fail_scoring=true", "task SumTask scoring: ZeroDivisionError: judge is down"),
+    ],
+)
+def test_a_failing_v1_harness_or_task_is_a_counted_fallback_episode(
+    tok, kwarg: str, why: str
+) -> None:
+    rollout, prompts = v1_scripted(tok, f"{V1}:chat", [["7", "7"]] * 4, kwarg)
+    batch = run(rollout, prompts)
+    assert [e["program_reward"] for e in batch["extra_info"]] == [-1.0] * 4
+    for info in batch["agent_info"]:
+        assert info["episode"] == "error" and why in info["episode_error"]
+        assert "the environment's episode failed" in info["episode_error"]
+    assert rollout.last_metrics["agent/episodes_error"] == 4
+
+
+@needs_v1
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("remote_runtime", "its role 'agent' runs its harness in the 'docker' runtime"),
+        ("pinned_client", "its role 'agent' pins a client (EvalClientConfig)"),
+        ("two_roles", "plays 2 agent roles ['judge', 'solver']"),
+    ],
+)
+def test_a_v1_env_creditrl_cannot_run_is_one_line(tmp_path: Path, capsys, name, message) -> None:
+    from creditrl.cli import main
+
+    code = main(["train", f"model.path={tiny_model_dir()}", f"env.verifiers={V1}:{name}",
+                 f"trainer.output_dir={tmp_path}", "data.max_prompt_length=1024"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: env.verifiers: ") and message in last
+
+
+@needs_v1
+def test_a_program_that_cannot_be_prepared_is_one_line(tmp_path: Path, capsys, monkeypatch):
+    """A harness program needing a package this interpreter lacks goes to verifiers' uv
+    preparation; when that fails too, the preflight says what is missing, in one line."""
+    from creditrl.cli import main
+    from creditrl.environments import verifiers_v1
+
+    async def no_uv(runtime, script, env, activate):
+        raise RuntimeError("failed to prepare uv script: sh: 1: uv: not found")
+
+    monkeypatch.setattr(verifiers_v1, "_uv_prepare", no_uv)
+    code = main(["train", f"model.path={tiny_model_dir()}", f"env.verifiers={V1}:chat",
+                 "env.kwargs.needs=no-such-package>=1", f"trainer.output_dir={tmp_path}",
+                 "data.max_prompt_length=1024"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 2, last
+    assert "program of harness 'creditrl_user_" in last
+    assert "needs no-such-package>=1 (not installed), which this interpreter lacks" in last
+    assert "uv: not found" in last and "once per run" in last
+
+
+def test_a_programs_declared_requirements_decide_its_interpreter() -> None:
+    """PEP 723 metadata against this interpreter: what it lacks, or nothing."""
+    from creditrl.environments.verifiers_v1 import interpreter_lacks, program_requirements
+
+    def script(deps: str, python: str = ">=3.10") -> str:
+        return f'# /// script\n# requires-python = "{python}"\n# dependencies = [{deps}]\n# ///\n'
+
+    assert program_requirements(script('"httpx"')) == (">=3.10", ["httpx"])
+    assert program_requirements("print(1)\n") == (None, [])
+    assert interpreter_lacks(script('"httpx", "packaging>=20"')) == []
+    assert interpreter_lacks(script('"httpx<0.1"')) == [
+        f"httpx<0.1 (this interpreter has {importlib.metadata.version('httpx')})"
+    ]
+    assert interpreter_lacks(script('"no-such-package"')) == ["no-such-package (not installed)"]
+    assert interpreter_lacks(script("\"httpx; python_version < '3.0'\"")) == []
+    assert interpreter_lacks(script('"httpx"', python=">=4"))[0].startswith("python>=4 (this is")
+    unreadable = interpreter_lacks('# /// script\n# dependencies = "httpx"\n# ///\n')
+    assert unreadable[0].startswith("(its script metadata cannot be read")
+
+
+def test_a_streamed_turn_is_served_as_events_the_openai_client_reads() -> None:
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from creditrl.environments.verifiers_v1 import stream_events
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    completion = {
+        "id": "chatcmpl-x-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                     "message": {"role": "assistant", "content": "hi", "tool_calls": [call]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }  # fmt: skip
+    events = stream_events(completion, include_usage=True).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    state = ChatCompletionStreamState()
+    for event in events[:-2]:
+        state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(event[6:])))
+    final = state.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "hi" and message.tool_calls[0].function.name == "f"
+    assert final.choices[0].finish_reason == "tool_calls" and final.usage.total_tokens == 5
+
+
+@needs_v1
+def test_an_unsupported_verifiers_version_is_one_line(monkeypatch) -> None:
+    import verifiers
+
+    from creditrl.preflight import preflight
+
+    monkeypatch.setattr(verifiers, "__version__", "0.5.0")
+    cfg = load_config(overrides=[f"env.verifiers={V1}:chat", "env.kwargs.turns=5"])
+    with pytest.raises(ConfigError, match=r"^env\.verifiers: verifiers 0\.5\.0 is installed; "
+                       r"creditrl runs verifiers >=0\.3,<0\.5 \(0\.3's classic"):  # fmt: skip
+        preflight(cfg)
+
+
+@needs_v1
+def test_the_relay_refuses_a_wrong_key_an_unknown_rollout_and_a_bad_body() -> None:
+    """What reaches the relay's loopback port without its key, for a rollout no episode runs,
+    or with a body that is not a JSON object is an OpenAI-style error; nothing is forwarded."""
+    import asyncio
+
+    import httpx
+
+    from creditrl.environments.verifiers_v1 import Relay
+
+    async def attempts() -> list[tuple[int, str]]:
+        relay = Relay()
+        await relay.start()
+        relay.sessions["known"] = ("http://127.0.0.1:9/t/x/v1", "k")
+        key = {"Authorization": f"Bearer {relay.key}"}
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        url = f"{relay.url}/v1/chat/completions"
+        try:
+            async with httpx.AsyncClient() as client:
+                replies = [
+                    await client.post(url, json=body, headers={"X-Session-ID": "known"}),
+                    await client.post(url, json=body, headers={**key, "X-Session-ID": "other"}),
+                    await client.post(url, content=b"[1", headers={**key, "X-Session-ID": "known"}),
+                    await client.post(url, json=[1], headers={**key, "X-Session-ID": "known"}),
+                    await client.post(url, json=body, headers={**key, "X-Session-ID": "known"}),
+                ]
+        finally:
+            await relay.stop()
+        return [(r.status_code, r.json()["error"]["code"]) for r in replies]
+
+    assert asyncio.run(attempts()) == [
+        (401, "invalid_api_key"),
+        (404, "unknown_session"),
+        (400, "bad_json"),
+        (400, "bad_request"),
+        (502, "upstream"),  # the trajectory's endpoint (port 9) does not answer
+    ]

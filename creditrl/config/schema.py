@@ -594,11 +594,13 @@ class EnvConfig:
     """An environment from a hub, trained unchanged (``creditrl.environments``): its rows are
     the prompts, its rollout runs each trajectory through the agent endpoint (the
     ``agent.max_concurrent_episodes``, ``agent.episode_timeout_s`` and ``agent.endpoint_*``
-    settings apply), its rubric scores it. Needs ``pip install 'creditrl[verifiers]'``; an
-    OpenEnv environment (``creditrl.environments.openenv``) needs ``'creditrl[openenv]'``."""
+    settings apply), its rubric scores it. Needs ``pip install 'creditrl[verifiers]'`` (0.3's
+    classic environments, or the ``verifiers.v1`` Env of 0.3 and 0.4:
+    ``creditrl.environments.verifiers_v1``); an OpenEnv environment
+    (``creditrl.environments.openenv``) needs ``'creditrl[openenv]'``."""
 
     verifiers: str | None = None
-    """A verifiers 0.3 environment: 'file.py:load_environment' or 'module:load_environment'."""
+    """A verifiers environment (classic, or a verifiers.v1 Env): 'file.py:load_environment'."""
     openenv: str | None = None
     """An OpenEnv environment: 'file.py:EnvClass' (in process), 'file.py:app' (served), or a URL."""
     max_steps: int = field(default=8, metadata=meta(range=AT_LEAST_1))

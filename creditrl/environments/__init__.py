@@ -3,7 +3,9 @@
 - ``verifiers``: a verifiers environment (``env.verifiers=FILE_OR_MODULE:load_environment``,
   ``env.kwargs.*``): its rows are the run's prompts, each trajectory is its rollout against
   creditrl's OpenAI-compatible endpoint (``creditrl.agents.program``, token-exact, drift
-  located), its rubric's total is the score and its named parts are extra metrics.
+  located), its rubric's total is the score and its named parts are extra metrics. A
+  ``verifiers.v1`` Env (verifiers 0.4) runs its episodes in process, its harness program's
+  model calls reaching the same endpoint (``creditrl.environments.verifiers_v1``).
 - ``openenv``: an OpenEnv environment (``env.openenv=FILE_OR_MODULE:EnvClass``, ``:app`` or a
   local server's URL): its first observations by seed are the prompts, each trajectory is one
   episode of reset/step with the policy's replies through the same endpoint, the sum of its

@@ -1,9 +1,14 @@
 """A verifiers environment trained unchanged: ``env.verifiers=FILE_OR_MODULE:load_environment``.
 
-creditrl calls ``load_environment(**env.kwargs)`` once per process and takes what it returns, a
-``verifiers.Environment`` (``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv`` and the other
-classic environments of verifiers >=0.3,<0.4; 0.4 keeps only ``verifiers.v1``, whose harnesses
-install their programs with uv at run time, and is refused):
+creditrl calls ``load_environment(**env.kwargs)`` once per process and takes what it returns;
+what that is picks the path (verifiers ``>=0.3,<0.5``):
+
+- a ``verifiers.Environment`` (``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv`` and the other
+  classic environments of verifiers 0.3; 0.4 keeps only ``verifiers.v1``): this module;
+- a ``verifiers.v1.Env`` (verifiers 0.4, and 0.3's ``verifiers.v1``): a taskset played by a
+  harness program, its episodes run in process (``creditrl.environments.verifiers_v1``).
+
+A classic environment:
 
 - rows: its ``dataset`` is the training prompts (the first ``data.max_train_rows``), its
   ``eval_dataset`` the validation prompts (the first ``data.max_val_rows``; without one, the
@@ -37,16 +42,26 @@ from creditrl.data.dataset import PromptDataset
 from creditrl.data.rows import ROW_LIMITS, PromptRow, RowError, parse_row
 from creditrl.environments.event_loop import loop_of
 from creditrl.environments.reward_failures import reward_failures, watch_rubric
+from creditrl.environments.verifiers_v1 import (
+    VerifiersV1Program,
+    check_v1_environment,
+    is_v1_environment,
+    prepare_programs,
+    serve,
+    v1_rows,
+)
 from creditrl.errors import ConfigError, DataError, UserCodeError
 from creditrl.usercode import load_user_object, one_line
 
 __all__ = [
     "DATA_SOURCE",
     "INSTALL_HINT",
+    "SUPPORTED",
     "VerifiersProgram",
     "build_verifiers_rollout",
     "check_environment",
     "environment_datasets",
+    "environment_program",
     "load_verifiers_environment",
 ]
 
@@ -57,42 +72,50 @@ DATA_SOURCE = "verifiers"
 MODEL_NAME = "creditrl-policy"
 PASSED_COLUMNS = ("answer", "info", "task", "example_id")  # travel with a row to its rollout
 SAMPLING_KEYS = ("max_tokens", "max_completion_tokens")  # the environment's own; the rest is ours
+SUPPORTED = (">=0.3", "<0.5")  # 0.3: the classic API and verifiers.v1; 0.4: verifiers.v1
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], Any] = {}
 
 
 def _verifiers() -> ModuleType:
-    """The verifiers package with its classic API; ConfigError naming the extra otherwise."""
+    """The verifiers package, of a supported version; ConfigError naming the extra otherwise."""
     try:
         import verifiers
     except ImportError:
         raise ConfigError(
             f"env.verifiers needs the verifiers package, which is not installed: {INSTALL_HINT}"
         ) from None
+    from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     version = str(getattr(verifiers, "__version__", "0"))
     try:
-        supported = Version("0.3") <= Version(version) < Version("0.4")
-        verifiers.Environment  # noqa: B018 - 0.3 serves the classic API from verifiers.legacy
-    except (InvalidVersion, AttributeError, ImportError):
+        supported = Version(version) in SpecifierSet(",".join(SUPPORTED))
+    except InvalidVersion:
         supported = False
     if not supported:
         raise ConfigError(
-            f"env.verifiers: verifiers {version} is installed; creditrl runs the classic "
-            "environments of verifiers >=0.3,<0.4. 0.4 keeps only verifiers.v1, whose episodes "
-            "run a harness program that uv installs at run time (the null chat harness too) "
-            "behind verifiers' own model proxy, and it needs openai<3 (docs/environments.md): "
-            f"{INSTALL_HINT}"
+            f"env.verifiers: verifiers {version} is installed; creditrl runs verifiers "
+            f"{','.join(SUPPORTED)} (0.3's classic environments, and the verifiers.v1 Env of "
+            f"0.3 and 0.4): {INSTALL_HINT}"
         )
     return verifiers
+
+
+def _classic(vf: ModuleType) -> type | None:
+    """``verifiers.Environment`` where the installed version has the classic API (0.3)."""
+    try:
+        return vf.Environment
+    except (AttributeError, ImportError):
+        return None
 
 
 def load_verifiers_environment(env_cfg: EnvConfig) -> Any:
     """The environment ``env_cfg`` names, loaded once per process per (spec, kwargs); a
     one-line UserError when the package is missing, the loader cannot be imported, raises or
-    returns something else than a classic verifiers Environment."""
+    returns something else than a classic verifiers Environment or a ``verifiers.v1.Env``
+    creditrl can train (``check_v1_environment``)."""
     spec = env_cfg.verifiers
     if spec is None:
         raise ConfigError("env.verifiers is not set")
@@ -112,10 +135,21 @@ def load_verifiers_environment(env_cfg: EnvConfig) -> Any:
                 f"env.verifiers: {spec} raised {type(e).__name__}: {one_line(e, 200)} "
                 f"(called with env.kwargs {sorted(kwargs)})"
             ) from None
-        if not isinstance(env, vf.Environment):
+        if is_v1_environment(env):
+            check_v1_environment(env, spec)
+            _loaded[key] = env
+            return env
+        classic = _classic(vf)
+        if classic is None or not isinstance(env, classic):
+            kinds = "a verifiers.v1 Env"
+            if classic is not None:
+                kinds = (
+                    "a verifiers Environment (SingleTurnEnv, MultiTurnEnv, ToolEnv, ...) or "
+                    + kinds
+                )
             raise UserCodeError(
                 f"env.verifiers: {spec} returned a {type(env).__module__}.{type(env).__name__}, "
-                "not a verifiers Environment (SingleTurnEnv, MultiTurnEnv, ToolEnv, ...)"
+                f"not {kinds} (verifiers {getattr(vf, '__version__', '?')})"
             )
         try:
             grouped = bool(env.requires_group_rollouts)
@@ -197,23 +231,33 @@ def _decoded_info(text: str, where: str) -> Any:
 
 def environment_datasets(cfg: Config, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
     """``(train, val)`` prompt datasets of the environment ``cfg.env`` names (module
-    docstring); ``val`` is None when there are no validation rows."""
+    docstring; a v1 taskset's first tasks, ``creditrl.environments.verifiers_v1``); ``val`` is
+    None when there are no validation rows."""
     env = load_verifiers_environment(cfg.env)
     data = cfg.data
     origin = f"env.verifiers={cfg.env.verifiers!r}"
-    train_set = _split(env, "train")
-    if train_set is None or len(train_set) == 0:
-        raise DataError(f"{origin}: the environment has no training rows (its dataset is empty)")
-    train_rows = _rows(train_set, "train", data.max_train_rows)
-    eval_set = _split(env, "eval")
-    if eval_set is not None:
-        val_rows = _rows(eval_set, "eval", data.max_val_rows)
-    else:
+    if is_v1_environment(env):
+        train_rows = v1_rows(env, data.max_train_rows, "train")
+        if not train_rows:
+            raise DataError(f"{origin}: the environment's taskset has no tasks")
         val_rows = train_rows[: data.val_size]
-        if val_rows:
-            log.info(
-                "%s has no eval_dataset: validating on its first %d rows", origin, len(val_rows)
+    else:
+        train_set = _split(env, "train")
+        if train_set is None or len(train_set) == 0:
+            raise DataError(
+                f"{origin}: the environment has no training rows (its dataset is empty)"
             )
+        train_rows = _rows(train_set, "train", data.max_train_rows)
+        eval_set = _split(env, "eval")
+        val_rows = _rows(eval_set, "eval", data.max_val_rows) if eval_set is not None else None
+        if val_rows is None:
+            val_rows = train_rows[: data.val_size]
+            if val_rows:
+                log.info(
+                    "%s has no eval_dataset: validating on its first %d rows",
+                    origin,
+                    len(val_rows),
+                )
 
     def dataset(rows: list[PromptRow], split: str) -> PromptDataset:
         return PromptDataset(
@@ -279,16 +323,31 @@ class VerifiersProgram:
         return {"score": float(output["reward"]), **parts}
 
 
+def environment_program(env: Any) -> Any:
+    """The agent program running ``env``'s episodes: ``VerifiersProgram`` for a classic
+    environment, ``VerifiersV1Program`` for a ``verifiers.v1.Env`` (its harnesses' programs
+    prepared and its serving() entered first, once per process)."""
+    if is_v1_environment(env):
+        return VerifiersV1Program(env)
+    return VerifiersProgram(env)
+
+
 def check_environment(cfg: Config) -> None:
-    """The ``verifiers`` strategy's preflight: the package, the loader and what it returns,
-    before any model is built."""
-    load_verifiers_environment(cfg.env)
+    """The ``verifiers`` strategy's preflight, before any model is built: the package, the
+    loader and what it returns; for a ``verifiers.v1.Env``, its harnesses' programs are
+    prepared (once per process; one line saying what is missing when they cannot be)."""
+    env = load_verifiers_environment(cfg.env)
+    if is_v1_environment(env):
+        prepare_programs(env, str(cfg.env.verifiers))
 
 
 def build_verifiers_rollout(engine: Any, tokenizer: Any, cfg: Config) -> Any:
     """The rollout of ``env.verifiers``: ``ProgramRollout`` running the environment's rollouts
-    through the endpoint."""
+    (or a v1 Env's episodes) through the endpoint."""
     from creditrl.agents.program import ProgramRollout
 
     env = load_verifiers_environment(cfg.env)
-    return ProgramRollout.for_run(engine, tokenizer, cfg, program=VerifiersProgram(env))
+    if is_v1_environment(env):
+        prepare_programs(env, str(cfg.env.verifiers))
+        serve(env)
+    return ProgramRollout.for_run(engine, tokenizer, cfg, program=environment_program(env))
