@@ -446,6 +446,53 @@ def test_sampler_drops_a_group_too_large_to_send(sampler, monkeypatch) -> None:
     assert sampler.rejected == count + 1
 
 
+def test_a_sampler_that_cannot_read_the_published_weights_says_so_and_exits(
+    tmp_path: Path,
+) -> None:
+    """Issue 50, item 4c: the learner says it published v3, but the sampler's weight folder
+    is one it cannot see. Before, it waited for newer weights without a word; now one line
+    names the folder and what is missing, and after asynchronous.data_timeout_s of it the
+    sampler exits 1 saying why (no traceback, and not "no word from the learner")."""
+    import threading
+
+    missing = tmp_path / "not_here"
+    cfg = tiny_learner_config(tmp_path, *RUN, f"asynchronous.weight_dir={missing}",
+                              "asynchronous.max_staleness=0", "asynchronous.ping_s=0.2",
+                              "asynchronous.data_timeout_s=3")  # fmt: skip
+    learner = LearnerSocket(cfg.asynchronous, 0, max_message_bytes(cfg))
+    stop = threading.Event()
+
+    def answer_hellos() -> None:  # a learner at v3 that hears the sampler's pings
+        while not stop.is_set():
+            got = learner.recv(0.1)
+            if got is not None and got[1].kind == "hello":
+                welcome = {"incarnation": "one", "weight_version": 3, "queued": 0}
+                learner.send(got[0], encode("welcome", welcome))
+
+    thread = threading.Thread(target=answer_hellos, daemon=True)
+    thread.start()
+    out = io.StringIO()
+    try:
+        sampler = Sampler(cfg, 0, port=learner.port, console=Console(file=out, width=400))
+        assert sampler.run() == 1
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        learner.close()
+    text = out.getvalue()
+    said = [line for line in text.splitlines() if "cannot be read" in line]
+    assert len(said) == 2, text
+    assert said[0] == (
+        f"sampler s0: the learner published weights v3, but they cannot be read here: "
+        f"{missing} does not exist here; holding v0 meanwhile, exiting if this lasts 3s "
+        "(asynchronous.weight_dir, asynchronous.data_timeout_s)"
+    )
+    assert said[1].startswith("sampler s0: the learner's weights v3 still cannot be read after")
+    assert f"{missing} does not exist here; exiting" in said[1]
+    assert sampler.batches == 0 and "no word from the learner" not in text
+    assert "Traceback" not in text
+
+
 # ---- supervision ------------------------------------------------------------------------------
 
 

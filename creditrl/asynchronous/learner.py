@@ -38,7 +38,12 @@ from rich.console import Console
 
 from creditrl.asynchronous.ranks import check_replicas, scatter_groups, stop_on_every_rank
 from creditrl.asynchronous.receiver import AsyncRolloutDumper, GroupReceiver
-from creditrl.asynchronous.settings import check_async_config, teacher_on_sampler, weight_channel
+from creditrl.asynchronous.settings import (
+    check_async_config,
+    start_versions,
+    teacher_on_sampler,
+    weight_channel,
+)
 from creditrl.asynchronous.staleness import (
     BufferedGroup,
     StalenessProgress,
@@ -245,15 +250,12 @@ class Learner(GroupReceiver, TrainingLoop):
     # ---- the loop ------------------------------------------------------------------------
 
     def begin(self, resumed: bool) -> None:
-        """Rank 0 binds the socket and says where it listens; weights published before a
-        crash (or by an earlier run) are never reused: these continue as a new version."""
+        """Rank 0 binds the socket, readies the weight folder (``start_versions``), says where."""
         if not self.main:
             return
         self.open_socket(self.port)
-        published = self.publisher.newest()
-        if published is not None and published >= self.version:
-            self.version = published + 1
-            self.publisher.publish(self.actor.model, self.version)
+        say = self.console.print
+        self.version = start_versions(self.cfg, self.publisher, self.actor.model, self.version, say)
         self.console.print(
             as_text(
                 f"learner: listening on {self.socket.address}; step {self.step} of "

@@ -7,12 +7,16 @@ One batch of the loop, top to bottom (``Sampler.run``):
    ones too, logged and counted: a rejected group is never resent; ``stop`` ends the loop;
    ``disconnected`` ends it with exit code 1; a new learner incarnation means it restarted:
    resend everything unacknowledged);
-2. load the newest published weights, if newer (between batches; with
+2. load the newest published weights, if newer (only once the learner has answered this
+   sampler: before, the weight folder may still hold what another run left, which the learner
+   removes before it answers; nothing is sampled until then; between batches; with
    ``asynchronous.partial_rollout`` also between decode chunks inside one,
    ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights; multi-turn
    episodes: before every engine call, ``EngineTurnGenerator.weights``), through the
    sampler's weight channel (``creditrl.weights.FolderChannel``, which holds the version the
-   engine samples with: ``Sampler.version``); wait
+   engine samples with: ``Sampler.version``); published weights it cannot read (a folder it
+   cannot see) are said in one line naming the folder and what is missing, and it exits after
+   ``asynchronous.data_timeout_s`` of that; wait
    while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
    batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
@@ -142,7 +146,8 @@ class Sampler:
             self.weights.attach(folder=self._engine_loads)
         else:
             self.weights.attach(self.worker.policy_model, then=self.worker.sync_rollout_weights)
-        self.weights.refresh()
+        self.unseen_since: float | None = None  # since when published weights cannot be read
+        self.said_unseen = False
         if a.partial_rollout and strategy_traits(cfg).multi_turn:  # between engine calls
             self.worker.rollout.turns.weights = self.weights
         elif a.partial_rollout:  # the worker's rollout: chunks with newer weights between them
@@ -353,9 +358,48 @@ class Sampler:
         staleness = max(self.learner_version, self.version) + ahead - self.version
         return staleness <= self.cfg.asynchronous.max_staleness
 
+    def _refresh(self) -> bool:
+        """Load newer published weights. When the learner has published a version newer than
+        the one held and none can be read here, say so once, after ``ping_s`` (the folder and
+        what is missing), and after ``data_timeout_s`` of it stop with exit code 1 (False)."""
+        a = self.cfg.asynchronous
+        ahead = self.learner_version >= a.publish_every and self.learner_version > self.version
+        problem = self.weights.unreadable() if ahead else None
+        if problem is None:
+            self.unseen_since = None
+            self.weights.refresh()
+            return True
+        now = time.monotonic()
+        self.unseen_since = self.unseen_since or now
+        waited = now - self.unseen_since
+        if waited > a.data_timeout_s:
+            self.console.print(
+                f"[red]sampler {self.sampler_id}:[/red]",
+                as_text(
+                    f"the learner's weights v{self.learner_version} still cannot be read after "
+                    f"{waited:.0f}s: {problem}; exiting (asynchronous.weight_dir must name the "
+                    "learner's folder as this machine sees it; asynchronous.data_timeout_s)"
+                ),
+            )
+            self.exit_code = 1
+            return False
+        if waited >= min(a.ping_s, a.data_timeout_s) and not self.said_unseen:
+            self.said_unseen = True
+            self.console.print(
+                f"[yellow]sampler {self.sampler_id}:[/yellow]",
+                as_text(
+                    f"the learner published weights v{self.learner_version}, but they cannot be "
+                    f"read here: {problem}; holding v{self.version} meanwhile, exiting if "
+                    f"this lasts {a.data_timeout_s:.0f}s (asynchronous.weight_dir, "
+                    "asynchronous.data_timeout_s)"
+                ),
+            )
+        return True
+
     def step(self) -> None:
         """Produce one batch of groups, journal them, and send them."""
-        self.weights.refresh()
+        if self.unseen_since is None:  # else ``_refresh`` found the weights unreadable
+            self.weights.refresh()
         groups, metrics = self.produce()
         for group in groups:
             seq = self.outbox.put(group)
@@ -388,9 +432,11 @@ class Sampler:
                 self._drain(0.0)
                 if self.stopped:
                     break
-                self.weights.refresh()
+                answered = self.incarnation is not None  # the folder is this run's from now
+                if answered and not self._refresh():
+                    break
                 busy = len(self.outbox.pending()) >= self.max_inflight
-                if busy or not self._fresh_enough():
+                if not answered or busy or not self._fresh_enough():
                     silent = time.monotonic() - self.last_heard
                     if silent > a.data_timeout_s:
                         self.console.print(
@@ -403,7 +449,8 @@ class Sampler:
                             ),
                         )
                         return 1
-                    wait = min(a.ping_s, 1.0) if busy else 0.05  # an ack, or new weights
+                    # an answer or an ack, or new weights
+                    wait = min(a.ping_s, 1.0) if busy or not answered else 0.05
                     started = time.monotonic()
                     heard = self._drain(wait)
                     self.idle_s += time.monotonic() - started

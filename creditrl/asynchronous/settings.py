@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from creditrl.asynchronous.validation import max_group_bytes
 from creditrl.bounded_json import JsonLimits
@@ -16,7 +19,9 @@ __all__ = [
     "max_buffered_bytes",
     "max_message_bytes",
     "needs_reference",
+    "run_id",
     "sampler_id_of",
+    "start_versions",
     "state_root",
     "teacher_on_sampler",
     "weight_root",
@@ -41,14 +46,54 @@ def weight_root(cfg: Config) -> Path:
     return Path(cfg.asynchronous.weight_dir or Path(cfg.trainer.output_dir) / "weights")
 
 
+def run_id(cfg: Config) -> str:
+    """The id of a run in the weight folder: its output folder's (resolved) path, hashed, so a
+    run resumed or rerun in its own ``trainer.output_dir`` is the same run and another is not."""
+    path = str(Path(cfg.trainer.output_dir).resolve())
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
 def weight_channel(cfg: Config, publish: bool = False) -> FolderChannel:
     """The weight folder (``weight_root``) as the run's weight channel: learner rank 0 publishes
-    there (``publish``: it claims the folder, keeps ``keep_weight_versions``, LoRA models as
-    ``lora_sync`` says), samplers read it."""
+    there as ``run_id`` (``publish``: it claims the folder, keeps ``keep_weight_versions``, LoRA
+    models as ``lora_sync`` says), samplers read it."""
     a = cfg.asynchronous
     return FolderChannel(
-        weight_root(cfg), publish=publish, keep=a.keep_weight_versions, lora_sync=a.lora_sync
+        weight_root(cfg),
+        publish=publish,
+        keep=a.keep_weight_versions,
+        lora_sync=a.lora_sync,
+        run=run_id(cfg) if publish else None,
     )
+
+
+def start_versions(
+    cfg: Config, channel: FolderChannel, model: Any, version: int, say: Callable[..., Any]
+) -> int:
+    """Set the weight folder up for a learner at ``version`` (its checkpoint's, 0 for a new
+    run) before it answers any sampler; returns the version it trains from. Versions another
+    run left there (another ``trainer.output_dir``: ``run_id``) are removed, said in one line
+    through ``say``: this run's start clean. This run's own, published before a crash, are
+    never reused: it continues past them with ``model`` published as a new version; a resumed
+    run whose folder holds none publishes its version. Samplers load weights only once the
+    learner has answered them, so they never see what the folder held before this."""
+    published = channel.newest()
+    if published is not None and channel.published_by() != run_id(cfg):
+        removed = channel.start_clean()
+        say(
+            f"learner: {weight_root(cfg)} (asynchronous.weight_dir) held weight versions up to "
+            f"v{published} of another run; removed {len(removed)} of them: this run's versions "
+            f"start clean at v{version} (a run resumed in its own trainer.output_dir continues "
+            "its versions)",
+            markup=False,
+        )
+        published = None
+    if published is not None and published >= version:
+        version = published + 1
+        channel.publish(model, version)
+    elif published is None and version > 0:  # resumed, and nothing of its own is there
+        channel.publish(model, version)
+    return version
 
 
 def state_root(cfg: Config) -> Path:

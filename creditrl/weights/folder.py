@@ -1,8 +1,9 @@
 """The folder channel: versioned policy weights on disk; the learner publishes, samplers load.
 
 Layout under ``root``: ``v00000007/weights.safetensors`` + ``v00000007/meta.json`` per
-version, and ``latest`` (JSON ``{"version": 7, "dir": "v00000007"}``) replaced atomically after
-the version directory is complete. The newest ``keep`` versions are kept; a sampler that finds
+version, and ``latest`` (JSON ``{"version": 7, "dir": "v00000007", "run": ...}``, ``run`` the
+publishing run's id when it has one) replaced atomically after the version directory is
+complete. The newest ``keep`` versions are kept; a sampler that finds
 its version pruned re-reads ``latest`` and loads the newer one. ``meta.json``'s ``kind`` is the
 publication's (``full``, ``merged`` or ``adapter``: ``creditrl.weights.tensors``).
 
@@ -10,7 +11,8 @@ The folder is the publisher's alone: it holds the run lock ``run.lock`` while it
 second run naming the same ``asynchronous.weight_dir`` is refused in one line), and a folder
 holding anything but what it writes (``OWN_NAMES``) is refused in one line, so nothing of the
 user's is ever pruned. Only its own temporary names (``PARTIAL_NAMES``), left by a crash, are
-removed when it starts.
+removed when it starts. ``start_clean()`` removes every version (``latest`` first), for a run
+that must not continue the versions another run left (``published_by()`` tells whose they are).
 
 ``FolderChannel`` is the ``WeightChannel`` over it (``publish=True``: the learner's side, which
 claims the folder; else a sampler's, which reads it); ``WeightPublisher`` and
@@ -23,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -94,10 +97,13 @@ class WeightPublisher:
     previous), and ``wait()`` blocks until the last is visible, re-raising its error if any.
     """
 
-    def __init__(self, root: str | Path, keep: int = 3, lora_sync: str = "merged") -> None:
+    def __init__(
+        self, root: str | Path, keep: int = 3, lora_sync: str = "merged", run: str | None = None
+    ) -> None:
         self.root = Path(root)
         self.keep = max(int(keep), 1)
         self.lora_sync = lora_sync
+        self.run = run  # written into ``latest``: whose versions these are
         self.lock = _claim(self.root)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -143,12 +149,36 @@ class WeightPublisher:
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _write_json(self.root / POINTER, {"version": version, "dir": name})
+        pointer: dict[str, Any] = {"version": version, "dir": name}
+        if self.run is not None:
+            pointer["run"] = self.run
+        _write_json(self.root / POINTER, pointer)
         self._prune(keep=final)
 
     def latest(self) -> int | None:
         """The version ``latest`` points at, or None."""
         return WeightSubscriber(self.root).latest()
+
+    def published_by(self) -> str | None:
+        """The run id ``latest`` names (None: no pointer, or one written without an id)."""
+        try:
+            pointer = read_json_file(self.root / POINTER, _POINTER_LIMITS)
+        except FileNotFoundError:
+            return None
+        run = pointer.get("run") if isinstance(pointer, dict) else None
+        return run if isinstance(run, str) else None
+
+    def start_clean(self) -> list[int]:
+        """Remove every published version, ``latest`` first (a reader then finds none); the
+        version numbers removed."""
+        self.wait()
+        (self.root / POINTER).unlink(missing_ok=True)
+        removed = []
+        for entry in sorted(self.root.iterdir()):
+            if VERSION_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(int(entry.name[1:]))
+        return removed
 
     def _prune(self, keep: Path) -> None:
         versions = sorted(
@@ -190,6 +220,29 @@ class WeightSubscriber:
             )
         return version, self.root / f"v{version:08d}"
 
+    def unreadable(self) -> str | None:
+        """Why no published version can be read here, in words naming the folder and what is
+        missing (the folder, ``latest``, the version folder it names); None when it can."""
+        try:
+            mode = os.stat(self.root).st_mode
+        except FileNotFoundError:
+            return f"{self.root} does not exist here"
+        except OSError as e:
+            return f"{self.root} cannot be read here ({e.strerror})"
+        if not stat.S_ISDIR(mode):
+            return f"{self.root} is not a folder"
+        try:
+            pointer = self._pointer()
+        except OSError as e:
+            return f"{self.root / POINTER} cannot be read ({e.strerror})"
+        except ValueError as e:
+            return str(e)
+        if pointer is None:
+            return f"{self.root} holds no {POINTER!r} (no version published there)"
+        if not (pointer[1] / META_FILE).is_file():
+            return f"{pointer[1]} (named by {POINTER!r}) is missing"
+        return None
+
     def maybe_load(self, model: torch.nn.Module, current: int, attempts: int = 5) -> int:
         """Load the newest version into ``model`` if it is newer than ``current``; returns the
         version ``model`` now holds. A version pruned while being read is retried."""
@@ -223,8 +276,9 @@ class WeightSubscriber:
 class FolderChannel(WeightChannel):
     """The ``WeightChannel`` over a weight folder ``root`` (module docstring). With
     ``publish=True`` it claims the folder (``lock``: the run lock, held until released) and
-    publishes there, keeping the newest ``keep`` versions, LoRA models as ``lora_sync`` says;
-    else it only reads it. ``version``: what this side loaded (a publisher loads nothing)."""
+    publishes there as run ``run``, keeping the newest ``keep`` versions, LoRA models as
+    ``lora_sync`` says; else it only reads it. ``version``: what this side loaded (a publisher
+    loads nothing)."""
 
     def __init__(
         self,
@@ -234,11 +288,12 @@ class FolderChannel(WeightChannel):
         keep: int = 3,
         lora_sync: str = "merged",
         version: int = 0,
+        run: str | None = None,
     ) -> None:
         super().__init__(version)
         self.root = Path(root)
         self.reader = WeightSubscriber(self.root)
-        self.writer = WeightPublisher(self.root, keep, lora_sync) if publish else None
+        self.writer = WeightPublisher(self.root, keep, lora_sync, run) if publish else None
         self.lock = None if self.writer is None else self.writer.lock
 
     def publish(self, model: torch.nn.Module, version: int, *, background: bool = False) -> None:
@@ -251,6 +306,20 @@ class FolderChannel(WeightChannel):
     def newest(self) -> int | None:
         """The version ``latest`` names (checked: ``WeightSubscriber.latest``)."""
         return self.reader.latest()
+
+    def unreadable(self) -> str | None:
+        """Why no published version can be read here (``WeightSubscriber.unreadable``)."""
+        return self.reader.unreadable()
+
+    def published_by(self) -> str | None:
+        """The run whose versions the folder holds (``WeightPublisher.published_by``)."""
+        return None if self.writer is None else self.writer.published_by()
+
+    def start_clean(self) -> list[int]:
+        """Remove every published version (``WeightPublisher.start_clean``)."""
+        if self.writer is None:
+            raise RuntimeError(f"this channel reads {self.root}; only its publisher removes")
+        return self.writer.start_clean()
 
     def load(self, model: torch.nn.Module, then: Callable[[], object] | None = None) -> bool:
         return self._hold(self.reader.maybe_load(model, self.version), then)
