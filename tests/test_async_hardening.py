@@ -332,6 +332,37 @@ def test_message_limit_is_sized_for_the_batch(tmp_path: Path) -> None:
     assert max_message_bytes(explicit) == 3 << 19
 
 
+def test_a_learner_whose_groups_are_all_rejected_says_why_in_one_line(learner, monkeypatch) -> None:
+    """Issue 50, item 4b: a learner whose only sampler's groups are all rejected (forged
+    log-probs: reason value) waits asynchronous.data_timeout_s, then says in one line how many
+    were rejected, counted by reason, and the last one: a NoEpisodesError (a UserError: the
+    CLI prints it as one line, no traceback). Before: a TimeoutError traceback asking "are the
+    samplers running?". With nothing rejected, the line still asks that."""
+    from creditrl.asynchronous.receiver import NoEpisodesError
+    from creditrl.errors import UserError
+
+    a = dataclasses.replace(learner.cfg.asynchronous, data_timeout_s=1.0)
+    monkeypatch.setattr(learner, "cfg", dataclasses.replace(learner.cfg, asynchronous=a))
+    model = learner.actor.model
+    sock = SamplerSocket(a, "f0", port=learner.socket.port)
+    try:
+        for seq in range(3):
+            assert sock.send(edit(rollout_log_probs=0.5)(model, "f0", seq), timeout_s=5)
+        assert sock.send([b"junk"], timeout_s=5)
+        with pytest.raises(NoEpisodesError) as err:
+            learner.collect()
+        line = str(err.value)
+        assert isinstance(err.value, UserError) and "\n" not in line
+        assert line.startswith("learner: no usable group for 1s on tcp://")
+        assert "(0 of 2 groups buffered): 4 rejected in that time (value 3, protocol 1)" in line
+        assert "the last f0 (protocol): " in line
+        assert "samplers running" not in line
+        with pytest.raises(NoEpisodesError, match=r"buffered\); are the samplers running\?"):
+            learner.collect()
+    finally:
+        sock.close()
+
+
 def test_sender_is_disconnected_after_max_rejects(learner, monkeypatch) -> None:
     """After max_rejects rejections a sender gets `disconnected`; every later message of it,
     even a valid group, is answered `disconnected` and otherwise ignored; others still train."""

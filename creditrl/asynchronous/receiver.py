@@ -11,7 +11,9 @@ version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale
 seen before is acknowledged ``duplicate``; a group that would take the buffered bytes past
 ``settings.max_buffered_bytes`` is rejected ``buffer_full`` (counted like any rejection, but
 not toward ``max_rejects``: a flood from one peer never disconnects the others). Trained
-groups are acknowledged ``trained`` after the update, journaled first.
+groups are acknowledged ``trained`` after the update, journaled first. When no group passes
+within ``asynchronous.data_timeout_s``, ``NoEpisodesError`` says in one line how many were
+rejected meanwhile and why (or that none arrived).
 """
 
 from __future__ import annotations
@@ -43,16 +45,22 @@ from creditrl.asynchronous.transport import LearnerSocket
 from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.batch import Batch
 from creditrl.config import Config
+from creditrl.errors import UserError
 from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper
 from creditrl.weights import WeightChannel
 from creditrl.workers.plan import structured_reward
 
-__all__ = ["AsyncRolloutDumper", "GroupReceiver"]
+__all__ = ["AsyncRolloutDumper", "GroupReceiver", "NoEpisodesError"]
 
 log = logging.getLogger(__name__)
 _DRAIN = 256  # messages handled per receive call, so a flood never starves the step loop
+
+
+class NoEpisodesError(UserError):
+    """No group passed the checks within ``asynchronous.data_timeout_s``: one line saying how
+    many were rejected meanwhile, for which reasons, and the last one (or that none came)."""
 
 
 class AsyncRolloutDumper(RolloutDumper):
@@ -122,6 +130,7 @@ class GroupReceiver:
         self.buffer_limit = max_buffered_bytes(cfg)
         self.counters: dict[str, int] = defaultdict(int)
         self.counters["rejected"] = 0
+        self.last_rejection = ""  # "<sender>[:<seq>] (<reason>): <why>", for NoEpisodesError
         self.rejects: dict[str, int] = defaultdict(int)  # rejected messages per sender
         self.blocked: set[str] = set()  # senders disconnected after max_rejects rejections
         self.samplers: set[str] = set()
@@ -231,6 +240,9 @@ class GroupReceiver:
             return
         self.counters["rejected"] += 1
         self.counters[f"rejected/{err.reason}"] += 1
+        why = " ".join(str(err).split())[:200]
+        where = sender[:64] if err.seq is None else f"{sender[:64]}:{err.seq}"
+        self.last_rejection = f"{where} ({err.reason}): {why}"
         self.rejects[sender] += int(strike)
         log.warning(
             "learner: rejected message from sampler %r (seq %s, reason %s): %s",
@@ -305,6 +317,7 @@ class GroupReceiver:
     def collect(self) -> list[BufferedGroup]:
         """Block until ``data.train_batch_size`` fresh-enough groups are buffered; take them."""
         last_arrival = time.monotonic()
+        rejected_then = self._rejected_by_reason()
         timeout = self.cfg.asynchronous.data_timeout_s
         while True:
             self._drop_stale(self.buffer.drop_stale(self.version))
@@ -312,12 +325,30 @@ class GroupReceiver:
                 return self.buffer.take(self.groups_per_step)
             if self._receive(1.0):
                 last_arrival = time.monotonic()
+                rejected_then = self._rejected_by_reason()
             elif time.monotonic() - last_arrival > timeout:
-                raise TimeoutError(
-                    f"learner: no episode for {timeout:.0f}s on {self.socket.address} "
-                    f"({len(self.buffer)} of {self.groups_per_step} groups buffered); are the "
-                    "samplers running? (asynchronous.data_timeout_s)"
-                )
+                raise NoEpisodesError(self._no_episodes(timeout, rejected_then))
+
+    def _rejected_by_reason(self) -> dict[str, int]:
+        return {k[9:]: v for k, v in self.counters.items() if k.startswith("rejected/")}
+
+    def _no_episodes(self, timeout: float, rejected_then: dict[str, int]) -> str:
+        """The line of a learner that no group reached within ``timeout`` seconds: how many
+        were rejected in that time, by reason, and the last one; or that none came."""
+        waited = (f"learner: no usable group for {timeout:.0f}s on {self.socket.address} "
+                  f"({len(self.buffer)} of {self.groups_per_step} groups buffered)")  # fmt: skip
+        counts = {reason: count - rejected_then.get(reason, 0)
+                  for reason, count in self._rejected_by_reason().items()}  # fmt: skip
+        counts = {reason: count for reason, count in counts.items() if count > 0}
+        if not counts:
+            return f"{waited}; are the samplers running? (asynchronous.data_timeout_s)"
+        reasons = ", ".join(f"{reason} {count}" for reason, count in
+                            sorted(counts.items(), key=lambda rc: (-rc[1], rc[0])))  # fmt: skip
+        return (
+            f"{waited}: {sum(counts.values())} rejected in that time ({reasons}), the last "
+            f"{self.last_rejection}; check that the samplers run the learner's code and config "
+            "(each rejection is logged; asynchronous.data_timeout_s)"
+        )
 
     def acknowledge_trained(self, groups: list[BufferedGroup]) -> None:
         """Journal and acknowledge ``groups`` as ``trained``, per sampler; every other sampler
