@@ -5,19 +5,21 @@ A message is the ZeroMQ multipart ``[PROTOCOL, header JSON, payload?]``. The pay
 on the wire is ever pickled, and decoding checks every field before the learner trusts it
 (``creditrl.asynchronous.validation``).
 
-Kinds (sampler -> learner): ``hello`` {sampler_id, pending}, ``episodes`` {sampler_id, seq,
-weight_version, episode_ids} + payload. (learner -> sampler): ``welcome`` {incarnation,
-weight_version, queued?}, ``ack`` {incarnation, weight_version, queued?, acks: [{seq, status,
-reason?}]} (``acks`` may be empty: after each step every sampler hears the learner's version
-and queue), ``stop`` {reason}, ``disconnected`` {reason, rejected}. ``queued`` counts the
-groups of other samplers waiting in the learner's buffer, to be trained before any group the
-addressed sampler sends next. A sampler decodes what the learner sends with the same care:
-``weight_version`` and ``queued`` ints in [0, 2**53), ``incarnation`` a short id; a message
-that fails is logged and skipped. ``seq`` numbers a sampler's groups 0,
-1, 2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its
-k-th answer. A ``rejected`` acknowledgement names its ``reason`` (``validation.REASONS``) and
-has ``seq`` null when the message carried no readable one. ``disconnected`` tells a sampler
-that the learner ignores it from now on (too many rejected messages).
+Kinds (sampler -> learner): ``hello`` {sampler_id, started?, pending}, ``episodes``
+{sampler_id, seq, weight_version, episode_ids} + payload. (learner -> sampler): ``welcome``
+{incarnation, weight_version, queued?}, ``ack`` {incarnation, weight_version, queued?, acks:
+[{seq, status, reason?}]} (``acks`` may be empty: after each step every sampler hears the
+learner's version and queue), ``stop`` {reason}, ``disconnected`` {reason, rejected}.
+``queued`` counts the groups of other samplers waiting in the learner's buffer, to be trained
+before any group the addressed sampler sends next. A sampler decodes what the learner sends
+with the same care: ``weight_version`` and ``queued`` ints in [0, 2**53), ``incarnation`` a
+short id; a message that fails is logged and skipped. ``seq`` numbers a sampler's groups 0, 1,
+2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its k-th
+answer. ``started`` is a short id the sampler's process draws when it starts (a new one tells
+the learner the sampler restarted, ``creditrl.asynchronous.fleet``). A ``rejected``
+acknowledgement names its ``reason`` (``validation.REASONS``) and has ``seq`` null when the
+message carried no readable one. ``disconnected`` tells a sampler that the learner ignores it
+from now on (too many rejected messages).
 
 The fields a group carries, their dtypes, widths and which samplers send them, are the field
 catalogue's (``creditrl.batch.FIELDS``: ``weight_version``, ``staleness``, ``episode_id`` and
@@ -238,6 +240,13 @@ def decode(frames: list[bytes], json_limits: JsonLimits = DEFAULT_JSON_LIMITS) -
             raise MessageError(f"a {kind} message has 2 frames, got {len(frames)}")
         if kind == "hello":
             check_sampler_id(header.get("sampler_id"))
+            started = header.get("started")
+            if started is not None and not (isinstance(started, str) and _ID.match(started)):
+                raise MessageError(
+                    "hello field 'started' must be 1-64 characters of [A-Za-z0-9_.-], "
+                    f"got {started!r:.80}",
+                    "header",
+                )
         if kind == "ack":
             _check_ack(header)
         if kind in ("welcome", "ack"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ class Sampler:
         a = cfg.asynchronous
         self.cfg, self.index, self.port = cfg, index, port
         self.sampler_id = sampler_id_of(index)
+        self.started = uuid.uuid4().hex[:16]  # this process's id in its hellos (fleet restarts)
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
         threads = a.sampler_threads or cfg.trainer.num_threads
         if threads > 0:
@@ -259,7 +261,14 @@ class Sampler:
 
     def _hello(self) -> None:
         self._send(
-            encode("hello", {"sampler_id": self.sampler_id, "pending": self.outbox.pending()})
+            encode(
+                "hello",
+                {
+                    "sampler_id": self.sampler_id,
+                    "started": self.started,
+                    "pending": self.outbox.pending(),
+                },
+            )
         )
 
     def _send_group(self, seq: int, group: Batch) -> None:
