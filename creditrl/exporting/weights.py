@@ -17,6 +17,7 @@ from creditrl.config import Config
 from creditrl.errors import DataError, UserError
 from creditrl.exporting.sources import RunCheckpoint
 from creditrl.models import apply_lora, load_causal_lm, resolve_model_path
+from creditrl.weights.tensors import merged_model
 from creditrl.workers.checkpoint_io import load_trainable
 
 __all__ = ["export_tokenizer", "load_actor", "write_adapter", "write_merged"]
@@ -57,9 +58,10 @@ def write_merged(
     model: torch.nn.Module, out: Path, dtype: torch.dtype, max_shard_size: int | str
 ) -> None:
     """The full model (LoRA adapters merged into their layers) as safetensors in ``dtype``,
-    with config.json and generation_config.json; shards past ``max_shard_size``."""
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()  # merged at training precision, then cast
+    with config.json and generation_config.json; shards past ``max_shard_size``. A LoRA head
+    tied to the embeddings is written untied (``tie_word_embeddings`` false): the merge changes
+    the head only."""
+    model = merged_model(model)  # merged at training precision, then cast
     model = model.to(dtype)
     for key in ORIGIN_CONFIG_KEYS:
         model.config.__dict__.pop(key, None)

@@ -38,16 +38,14 @@ def _run_actor(path: Path, teacher: str) -> torch.nn.Module:
     from creditrl.config.run_config import load_run_config
     from creditrl.exporting.sources import find_checkpoint
     from creditrl.exporting.weights import load_actor
+    from creditrl.weights.tensors import merged_model
 
     ckpt = find_checkpoint(path)
     try:
         run_cfg = load_run_config(ckpt.config_file, remedy=TRAIN_REMEDY)
     except ConfigError as err:
         raise ConfigError(f"distill.teacher={teacher!r}: {err}") from None
-    model = load_actor(ckpt, run_cfg)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    return model
+    return merged_model(load_actor(ckpt, run_cfg))
 
 
 def load_teacher(cfg: Config, vocab_size: int) -> torch.nn.Module:

@@ -8,6 +8,12 @@ a model with the same LoRA wrapping); ``apply_state`` loads one, refusing a kind
 fit the model. Tied tensors (``lm_head.weight`` = ``model.embed_tokens.weight``) are stored
 once (``snapshot_tensors``); their aliases are recorded in the safetensors metadata.
 safetensors + JSON only.
+
+A LoRA head tied to the input embeddings (``model.target_modules`` with ``lm_head`` on a model
+with ``tie_word_embeddings``) merges into a head that is no longer the embeddings: the merged
+state holds two different tensors under the tied names, and ``apply_state`` unties them in the
+model it loads into (``untie``) rather than letting one overwrite the other; ``merged_model``
+unties the same way before peft merges in place (export, a run's actor as teacher).
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ __all__ = [
     "apply_state",
     "is_peft",
     "load_tensors",
+    "merged_model",
     "merged_state_dict",
     "publishable_state",
     "save_tensors",
     "snapshot_tensors",
+    "tied_groups",
+    "untie",
 ]
 
 LORA_SYNC = ("merged", "adapter")
@@ -43,7 +52,9 @@ def is_peft(model: torch.nn.Module) -> bool:
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain-model state dict of a LoRA (peft) model with its active adapters merged:
     W' = W + get_delta_weight = W + (alpha / r) B A for each adapted linear. The training
-    model is not modified."""
+    model is not modified. An adapted weight tied to another (a LoRA head tied to the
+    embeddings) is merged under its own name only: the other name keeps the unmerged tensor,
+    so a tied plain model must be untied to hold both (``apply_state`` does)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -90,7 +101,56 @@ def apply_state(model: torch.nn.Module, kind: str, tensors: dict[str, Any], wher
         return
     if is_peft(model):
         raise TypeError(f"{where} holds {kind} weights: load them into a plain model")
+    for names in tied_groups(model):
+        given = [tensors[n] for n in names if n in tensors]
+        if any(not torch.equal(given[0], t.to(given[0].device)) for t in given[1:]):
+            untie(model, names[1:])
     model.load_state_dict(tensors, strict=True)
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter ``model`` holds under more than one name (tied weights:
+    ``model.embed_tokens.weight`` and ``lm_head.weight``), in ``named_parameters`` order."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+@torch.no_grad()
+def untie(model: torch.nn.Module, names: list[str]) -> None:
+    """Give each parameter ``names`` lists a copy of its own (same values, dtype, device and
+    ``requires_grad``), and set ``config.tie_word_embeddings`` to False where ``model`` has
+    one, so that transformers (``tie_weights``, ``save_pretrained``, loading) keeps them
+    apart."""
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        param = getattr(owner, attr)
+        setattr(owner, attr, torch.nn.Parameter(param.detach().clone(), param.requires_grad))
+    config = getattr(model, "config", None)
+    if names and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+
+
+def merged_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain model with the LoRA adapters of ``model`` (a peft model; any other module is
+    returned as it is) merged into its linears (peft's ``merge_and_unload``, in place: the
+    peft wrapping is consumed). An adapted weight tied to another (a LoRA head tied to the
+    embeddings) is untied first, so the merge changes the head only."""
+    if not is_peft(model):
+        return model
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {
+        f"{name}.base_layer.weight"
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    for names in tied_groups(base):
+        untie(base, [n for n in names if n in adapted][: len(names) - 1])
+    return model.merge_and_unload()
 
 
 def snapshot_tensors(
