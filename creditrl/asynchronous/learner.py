@@ -42,7 +42,6 @@ from creditrl.asynchronous.settings import (
     check_async_config,
     start_versions,
     teacher_on_sampler,
-    weight_channel,
 )
 from creditrl.asynchronous.staleness import (
     BufferedGroup,
@@ -50,6 +49,7 @@ from creditrl.asynchronous.staleness import (
     concat_groups,
     staleness_metrics,
 )
+from creditrl.asynchronous.weight_server import learner_channel
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.config.loader import to_dict
@@ -134,7 +134,7 @@ class Learner(GroupReceiver, TrainingLoop):
         if self.main:
             prepare_output_dir(self.out, cfg.trainer.resume, cfg.trainer.overwrite)
             self.out.mkdir(parents=True, exist_ok=True)
-            self.publisher = weight_channel(cfg, publish=True)
+            self.publisher = learner_channel(cfg, self.port, self.console.print, self.counters)
             self.held.append(self.publisher.lock)  # released with the output folder
             self.tracker = Tracker(self.out, cfg.trainer.logger, to_dict(cfg), self.out.name)
             self.dumper = AsyncRolloutDumper(
@@ -292,7 +292,7 @@ class Learner(GroupReceiver, TrainingLoop):
         if not self.main:
             return
         try:
-            self.publisher.wait()
+            self.publisher.close()  # publications in flight written, the weight port closed
             self.stop_samplers()
             self.tracker.close()
             if self.pipeline.reward is not None:

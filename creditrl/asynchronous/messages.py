@@ -51,6 +51,8 @@ __all__ = [
     "KINDS",
     "MAX_INT",
     "PROTOCOL",
+    "WEIGHT_REPLIES",
+    "WEIGHT_REQUESTS",
     "Message",
     "MessageError",
     "ack_message",
@@ -60,10 +62,21 @@ __all__ = [
     "episodes_message",
     "group_of",
     "reject_message",
+    "weight_message",
 ]
 
 PROTOCOL = b"creditrl.async/1"
-KINDS = ("hello", "episodes", "welcome", "ack", "stop", "disconnected")
+KINDS = ("hello", "episodes", "welcome", "ack", "stop", "disconnected",
+         "manifest_request", "chunk_request", "manifest", "chunk", "weights_refused")  # fmt: skip
+WEIGHT_REQUESTS = ("manifest_request", "chunk_request")
+WEIGHT_REPLIES = ("manifest", "chunk", "weights_refused")
+_WEIGHT_FIELDS = {
+    "manifest_request": {"rid": "int", "version": "int?"},
+    "chunk_request": {"rid": "int", "version": "int", "index": "int"},
+    "manifest": {"rid": "int", "newest": "int?", "manifest": "dict?"},
+    "chunk": {"rid": "int", "version": "int", "index": "int"},
+    "weights_refused": {"rid": "int", "reason": "str", "detail": "str"},
+}
 ACK_STATUSES = ("trained", "stale", "duplicate", "rejected")
 MAX_INT = 2**53  # header integers stay below this (exact in JSON everywhere)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -76,12 +89,13 @@ _EPISODES_HEADER = {"kind", "sampler_id", "seq", "weight_version", "episode_ids"
 @dataclass
 class Message:
     """One decoded message: its kind, JSON header and (episodes only) the group as a Batch and
-    the bytes it holds in memory (``validation.check_payload``)."""
+    the bytes it holds in memory (``validation.check_payload``); a weight chunk's bytes."""
 
     kind: str
     header: dict[str, Any]
     batch: Batch | None = None
     nbytes: int = 0
+    payload: bytes | None = None  # a weight chunk's bytes
 
 
 def episode_ids(sampler_id: str, seq: int, n: int) -> list[str]:
@@ -210,6 +224,41 @@ def _check_learner_header(header: dict[str, Any]) -> None:
         )
 
 
+def weight_message(kind: str, payload: bytes | None = None, **fields: Any) -> list[bytes]:
+    """Frames of a weight request or answer (module docstring), checked as ``decode`` checks
+    them (a ValueError for a field it would refuse)."""
+    frames = encode(kind, fields, payload)
+    if kind not in _WEIGHT_FIELDS:
+        raise ValueError(f"{kind!r} is not a weight message kind")
+    _check_weight(kind, {**fields, "kind": kind}, len(frames))
+    return frames
+
+
+def _check_weight(kind: str, header: dict[str, Any], frames: int) -> None:
+    """A weight request's or answer's header: exactly its fields, each of its type (ints in
+    [0, 2**53), a dict, a string of at most 200 characters; ``?``: or null), and a payload
+    frame for a chunk only."""
+    spec = _WEIGHT_FIELDS[kind]
+    unknown = sorted(set(header) - set(spec) - {"kind"})
+    if unknown:
+        raise MessageError(f"{kind} header has unknown fields {unknown!s:.200}", "header")
+    for key, what in spec.items():
+        value = header.get(key)
+        if what.endswith("?") and value is None:
+            continue
+        ok = {"int": _is_int(value), "dict": isinstance(value, dict),
+              "str": isinstance(value, str) and len(value) <= 200}[what.rstrip("?")]  # fmt: skip
+        if not ok:
+            raise MessageError(
+                f"{kind} header field {key!r} must be {what.rstrip('?')}"
+                f"{' or null' if what.endswith('?') else ''}, got {value!r:.80}",
+                "header",
+            )
+    if frames != (3 if kind == "chunk" else 2):
+        raise MessageError(f"a {kind} message has {3 if kind == 'chunk' else 2} frames, got "
+                           f"{frames}")  # fmt: skip
+
+
 def _header(frames: list[bytes]) -> dict[str, Any]:
     if len(frames) < 2 or bytes(frames[0]) != PROTOCOL:
         raise MessageError(f"not a {PROTOCOL.decode()} message ({len(frames)} frames)")
@@ -236,6 +285,11 @@ def decode(frames: list[bytes], json_limits: JsonLimits = DEFAULT_JSON_LIMITS) -
             if len(frames) != 3:
                 raise MessageError(f"an episodes message has 3 frames, got {len(frames)}")
             return Message(kind, header, *_check_episodes(header, bytes(frames[2]), json_limits))
+        if kind in _WEIGHT_FIELDS:
+            _check_weight(kind, header, len(frames))
+            payload = bytes(frames[2]) if kind == "chunk" else None
+            return Message(kind, header, nbytes=0 if payload is None else len(payload),
+                           payload=payload)  # fmt: skip
         if len(frames) != 2:
             raise MessageError(f"a {kind} message has 2 frames, got {len(frames)}")
         if kind == "hello":

@@ -14,9 +14,11 @@ One batch of the loop, top to bottom (``Sampler.run``):
    ``creditrl.asynchronous.partial``: unfinished rows continue on the new weights; multi-turn
    episodes: before every engine call, ``EngineTurnGenerator.weights``), through the
    sampler's weight channel (``creditrl.weights.FolderChannel``, which holds the version the
-   engine samples with: ``Sampler.version``); published weights it cannot read (a folder it
-   cannot see) are said in one line naming the folder and what is missing, and it exits after
-   ``asynchronous.data_timeout_s`` of that; wait
+   engine samples with: ``Sampler.version``; ``asynchronous.weight_channel`` picks the folder
+   or the wire from the learner's weight port, ``creditrl.asynchronous.weight_server``, said in
+   one line once the learner has answered); published weights it cannot read (a folder it
+   cannot see, a weight port that does not answer) are said in one line naming the folder or
+   port and what is missing, and it exits after ``asynchronous.data_timeout_s`` of that; wait
    while ``max_inflight_groups`` groups are unacknowledged (back-pressure, pinging) or while a
    batch sampled now would be too stale when trained (``max_staleness``: newer weights first);
 3. draw the prompts as ``creditrl train`` does (``creditrl.trainers.prompts``);
@@ -61,9 +63,9 @@ from creditrl.asynchronous.settings import (
     sampler_id_of,
     state_root,
     teacher_on_sampler,
-    weight_channel,
 )
 from creditrl.asynchronous.transport import SamplerSocket
+from creditrl.asynchronous.weight_server import WeightClient, choose_channel, sampler_channel
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.data import ResumableSampler
@@ -78,6 +80,7 @@ from creditrl.rollout import engine_traits
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import Timer, Tracker
 from creditrl.trainers.prompts import batch_seed, prompt_batch
+from creditrl.weights import ChosenLater, WireChannel
 from creditrl.workers.hybrid import HybridWorker
 
 __all__ = ["Sampler", "trim_group"]
@@ -143,7 +146,8 @@ class Sampler:
         self.with_ref = with_ref
         # the published weights: loaded into the policy (then pushed to an engine holding its
         # own copy), or read by an engine that loads published folders itself
-        self.weights = weight_channel(cfg)
+        self.weights = sampler_channel(cfg)  # the folder's, or chosen when the learner answers
+        self.wire: WeightClient | None = None
         if engine_traits(cfg.rollout.engine).weights_via == "folder":
             self.weights.attach(folder=self._engine_loads)
         else:
@@ -374,6 +378,9 @@ class Sampler:
         a = self.cfg.asynchronous
         ahead = self.learner_version >= a.publish_every and self.learner_version > self.version
         problem = self.weights.unreadable() if ahead else None
+        if problem is not None and self.wire is not None:  # the weight port may answer now
+            self.weights.refresh()
+            problem = self.weights.unreadable()
         if problem is None:
             self.unseen_since = None
             self.weights.refresh()
@@ -387,7 +394,8 @@ class Sampler:
                 as_text(
                     f"the learner's weights v{self.learner_version} still cannot be read after "
                     f"{waited:.0f}s: {problem}; exiting (asynchronous.weight_dir must name the "
-                    "learner's folder as this machine sees it; asynchronous.data_timeout_s)"
+                    "learner's folder as this machine sees it, or asynchronous.weight_channel="
+                    "wire fetch them from its weight port; asynchronous.data_timeout_s)"
                 ),
             )
             self.exit_code = 1
@@ -421,6 +429,7 @@ class Sampler:
         metrics["sampler/inflight_groups"] = float(len(self.outbox.pending()))
         metrics["sampler/rejected_groups"] = float(self.rejected)
         metrics["sampler/idle_s"] = self.idle_s
+        metrics.update(self._wire_metrics())
         self.tracker.log(metrics, step=self.batches)
 
     def run(self, max_batches: int | None = None) -> int:
@@ -442,6 +451,8 @@ class Sampler:
                 if self.stopped:
                     break
                 answered = self.incarnation is not None  # the folder is this run's from now
+                if answered and self.wire is None and isinstance(self.weights, ChosenLater):
+                    self._choose_weights()
                 if answered and not self._refresh():
                     break
                 busy = len(self.outbox.pending()) >= self.max_inflight
@@ -473,10 +484,31 @@ class Sampler:
         self.console.print(f"sampler {self.sampler_id}: stopped after {self.batches} batch(es)")
         return self.exit_code
 
+    def _choose_weights(self) -> None:
+        """Once the learner has answered: the folder or the wire (said in one line)."""
+        if self.weights.chosen is None:
+            port = self.cfg.asynchronous.port if self.port is None else self.port
+            self.wire = choose_channel(self.cfg, self.weights, self.sampler_id, port, self._say)
+
+    def _say(self, line: str) -> None:
+        self.console.print(as_text(line))
+
+    def _wire_metrics(self) -> dict[str, float]:
+        """``sampler/weights_*``: chunks fetched over the wire and answers refused."""
+        channel = self.weights.chosen if isinstance(self.weights, ChosenLater) else None
+        if self.wire is None or not isinstance(channel, WireChannel):
+            return {}
+        refused = sum(channel.rejected.values()) + sum(self.wire.rejected.values())
+        return {"sampler/weights_chunks_fetched": float(channel.fetched),
+                "sampler/weights_refused": float(refused)}  # fmt: skip
+
     def close(self) -> None:
-        """Close the socket, the reward workers and the metrics file."""
+        """Close the sockets, the reward workers and the metrics file."""
         if self.socket is not None:
             self.socket.close()
             self.socket = None
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
         self.reward.close()
         self.tracker.close()

@@ -15,13 +15,17 @@ learner blocks its samplers (back-pressure) instead of growing memory without bo
 
 CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
 ``server.key_secret`` and accepts only the public keys in ``authorized/``; a sampler holds
-``sampler.key_secret`` and the learner's ``server.key``. Binding anything but a loopback
-address without CURVE is refused unless ``allow_insecure`` is set.
+``sampler.key_secret`` and the learner's ``server.key`` (a sampler's machine needs only these
+two files), or the environment's ``CREDITRL_CURVE_SERVER_PUBLIC`` (the learner's public key)
+and ``CREDITRL_CURVE_SECRET`` (its own secret key; the public one follows from it), Z85 text
+as in the key files, which then win over the folder (``sampler_curve_keys``). Binding
+anything but a loopback address without CURVE is refused unless ``allow_insecure`` is set.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -30,17 +34,29 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.z85 import Z85CHARS
 
 from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
 from creditrl.asynchronous.validation import DEFAULT_JSON_LIMITS
 from creditrl.bounded_json import JsonLimits
 from creditrl.config.schema import AsyncConfig
+from creditrl.errors import ConfigError
 from creditrl.hosts import is_loopback, url_host
 
-__all__ = ["LearnerSocket", "SamplerSocket", "endpoint", "make_curve_keys"]
+__all__ = [
+    "CURVE_ENV",
+    "LearnerSocket",
+    "SamplerSocket",
+    "endpoint",
+    "make_curve_keys",
+    "sampler_curve_keys",
+    "server_curve_keys",
+]
 
 log = logging.getLogger(__name__)
 _MAX_FRAMES = 3  # PROTOCOL, header, payload: the most frames a message has (after the identity)
+CURVE_ENV = ("CREDITRL_CURVE_SERVER_PUBLIC", "CREDITRL_CURVE_SECRET")
+_Z85 = frozenset(Z85CHARS.decode())
 
 
 def endpoint(host: str, port: int) -> str:
@@ -68,6 +84,44 @@ def _load_key(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     if secret and private is None:
         raise ValueError(f"{path} holds no secret key")
     return public, private
+
+
+def _env_key(name: str) -> bytes:
+    value = os.environ[name].strip()
+    if len(value) != 40 or not set(value) <= _Z85:
+        raise ConfigError(
+            f"environment variable {name} is not a CURVE key: 40 Z85 characters, as on the "
+            "key files' public-key / secret-key lines (`creditrl async --make-keys DIR`)"
+        )
+    return value.encode()
+
+
+def sampler_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes, bytes] | None:
+    """(public, secret, the learner's public) key a sampler connects with: from the
+    environment (``CURVE_ENV``, both or neither; a one-line ConfigError naming a variable
+    that is missing or not a key), else ``curve_keys_dir``'s ``sampler.key_secret`` and
+    ``server.key``; None: plain TCP."""
+    given = [name for name in CURVE_ENV if os.environ.get(name)]
+    if given:
+        missing = [name for name in CURVE_ENV if name not in given]
+        if missing:
+            raise ConfigError(f"{given[0]} is set but {missing[0]} is not: a sampler needs both")
+        server, secret = (_env_key(name) for name in CURVE_ENV)
+        return zmq.curve_public(secret), secret, server
+    if not cfg.curve_keys_dir:
+        return None
+    keys = Path(cfg.curve_keys_dir)
+    public, secret = _load_key(keys / "sampler.key_secret", secret=True)
+    server, _ = _load_key(keys / "server.key", secret=False)
+    return public, secret, server
+
+
+def server_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes] | None:
+    """(public, secret) key of the learner (``curve_keys_dir``'s ``server.key_secret``);
+    None: plain TCP."""
+    if not cfg.curve_keys_dir:
+        return None
+    return _load_key(Path(cfg.curve_keys_dir) / "server.key_secret", secret=True)
 
 
 def _configure(sock: zmq.Socket, hwm: int) -> None:
@@ -207,12 +261,9 @@ class SamplerSocket:
         self.sock = self.context.socket(zmq.DEALER)
         _configure(self.sock, cfg.hwm)
         self.sock.setsockopt(zmq.IDENTITY, check_sampler_id(sampler_id).encode())
-        if cfg.curve_keys_dir:
-            keys = Path(cfg.curve_keys_dir)
-            public, secret = _load_key(keys / "sampler.key_secret", secret=True)
-            server, _ = _load_key(keys / "server.key", secret=False)
-            self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
-            self.sock.curve_serverkey = server
+        keys = sampler_curve_keys(cfg)
+        if keys is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
         self.address = endpoint(cfg.host, port)
         self.sock.connect(self.address)
 

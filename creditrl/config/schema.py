@@ -498,6 +498,12 @@ class AsyncConfig:
     """Prompts a sampler generates together; 0: data.train_batch_size."""
     weight_dir: str | None = None
     """Where weight versions are published; null: <trainer.output_dir>/weights."""
+    weight_channel: str = field(default="auto", metadata=meta(choices=("auto", "folder", "wire")))
+    """Samplers get weights from the 'folder', the 'wire' or 'auto' (the folder if they see it)."""
+    weight_port: int = field(default=0, metadata=meta(range=PORT))
+    """Learner port serving weights over the wire; 0: port + 1."""
+    weight_rate_mb: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
+    """Most MB/s the learner sends weights over the wire, to all samplers; 0: unbounded."""
     keep_weight_versions: int = field(default=3, metadata=meta(range=AT_LEAST_1))
     """Published weight versions kept; older ones are deleted."""
     publish_every: int = field(default=1, metadata=meta(range=AT_LEAST_1))

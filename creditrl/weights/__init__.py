@@ -13,14 +13,17 @@ holds the version its sampling weights are). The implementations:
 - ``WireChannel`` / ``WirePublisher`` (``creditrl.weights.wire``): a publication as
   checksummed safetensors chunks that a sampler fetches through a connection it already has
   (no shared disk), bounded by ``WireLimits``, rate-limited on the publisher's side, applied
-  only when complete and resumable after a dropped connection. Served over the samplers'
-  ZeroMQ socket, it needs the transport's two requests (a manifest, a chunk): not wired yet.
+  only when complete and resumable after a dropped connection. An async sampler fetches it
+  from the learner's weight port (``creditrl.asynchronous.weight_server``), which the learner
+  serves while it trains.
+- ``ChosenLater``: a sampler's channel before it knows which of the two it can use
+  (``asynchronous.weight_channel=auto``).
 
 This package is ground floor: torch, safetensors and the shared modules (``bounded_json``,
 ``errors``, the run lock), never the async, agents, rollout or pipeline layers.
 """
 
-from creditrl.weights.channel import InProcessChannel, WeightChannel
+from creditrl.weights.channel import ChosenLater, InProcessChannel, WeightChannel
 from creditrl.weights.folder import FolderChannel, WeightPublisher, WeightSubscriber
 from creditrl.weights.tensors import (
     LORA_SYNC,
@@ -35,6 +38,7 @@ from creditrl.weights.wire import WireChannel, WireLimits, WirePublisher
 
 __all__ = [
     "LORA_SYNC",
+    "ChosenLater",
     "FolderChannel",
     "InProcessChannel",
     "WeightChannel",

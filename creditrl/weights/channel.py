@@ -12,7 +12,12 @@ the side that samples (``creditrl.weights`` says which implementations there are
 - ``attach(...)`` names what ``refresh()`` loads into, so a rollout (the partial rollout, the
   turn generator) refreshes without knowing the model or the engine;
 - ``version``: the version the sampling side holds. It lives here and nowhere else: the
-  trainer, the sampler, the turn generator and the partial rollout read it from their channel.
+  trainer, the sampler, the turn generator and the partial rollout read it from their channel;
+- ``unreadable()``: why the published weights cannot be had here (None when they can).
+
+``ChosenLater`` is a channel whose implementation is picked once its side knows which one
+works (an async sampler's, once the learner has answered: the folder when it can read it, else
+the wire); until then it holds its version and loads nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from creditrl.weights.tensors import apply_state, publishable_state
 
-__all__ = ["InProcessChannel", "WeightChannel"]
+__all__ = ["ChosenLater", "InProcessChannel", "WeightChannel"]
 
 
 class WeightChannel(ABC):
@@ -59,6 +64,10 @@ class WeightChannel(ABC):
             f"{type(self).__name__} publishes no folders: an engine with weights_via='folder' "
             "needs the folder channel"
         )
+
+    def unreadable(self) -> str | None:
+        """Why the newest published version cannot be had here, in words; None when it can."""
+        return None
 
     def attach(
         self,
@@ -135,3 +144,40 @@ class InProcessChannel(WeightChannel):
             kind, tensors = publishable_state(self._source, self.lora_sync)
             apply_state(model, kind, tensors, f"the in-process version {self._newest}")
         return self._hold(self._newest, then)
+
+
+class ChosenLater(WeightChannel):
+    """A channel whose implementation ``choose`` names later (module docstring): ``attach``,
+    ``refresh`` and ``version`` work on it from the start, and load nothing until then."""
+
+    def __init__(self, version: int = 0) -> None:
+        super().__init__(version)
+        self.chosen: WeightChannel | None = None
+
+    def choose(self, channel: WeightChannel) -> None:
+        """Load through ``channel`` from now on, from the version held."""
+        channel.version = self.version
+        self.chosen = channel
+
+    def publish(self, model: torch.nn.Module, version: int, *, background: bool = False) -> None:
+        raise TypeError("a channel chosen later receives weights; the learner publishes them")
+
+    def newest(self) -> int | None:
+        return None if self.chosen is None else self.chosen.newest()
+
+    def unreadable(self) -> str | None:
+        return None if self.chosen is None else self.chosen.unreadable()
+
+    def load(self, model: torch.nn.Module, then: Callable[[], object] | None = None) -> bool:
+        if self.chosen is None:
+            return False
+        loaded = self.chosen.load(model, then)
+        self.version = self.chosen.version
+        return loaded
+
+    def load_folder(self, read: Callable[[Path], object]) -> bool:
+        if self.chosen is None:
+            return False
+        loaded = self.chosen.load_folder(read)
+        self.version = self.chosen.version
+        return loaded

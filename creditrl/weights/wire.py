@@ -10,18 +10,25 @@ of the whole and of every chunk. The sampling side checks the manifest against i
 dropped and asked for again), and the whole before decoding it; what it already holds survives
 a dropped connection, so the next ``refresh`` asks only for the missing chunks.
 
-- ``WirePublisher`` (the learner's side): ``publish(model, version)`` encodes and keeps the
-  newest ``keep`` publications; ``manifest(version)`` and ``chunk(version, index)`` serve them,
-  at most ``rate_bytes`` a second (``RateLimit``).
+- ``WirePublisher`` (the learner's side): ``publish(model, version)`` encodes (with
+  ``background``: copies now, encodes in a thread) and keeps the newest ``keep``
+  publications; ``manifest(version)`` and ``chunk(version, index)`` serve them, at most
+  ``rate_bytes`` a second (``RateLimit``).
 - ``WireChannel`` (the sampler's side): a ``WeightChannel`` over a ``WireSource`` (anything with
   ``newest``, ``manifest`` and ``chunk``: the publisher itself in process, or the transport's
-  requests to it).
+  requests to it, ``creditrl.asynchronous.weight_server.WeightClient``). Whatever comes back
+  that is not what the publisher sends (a forged manifest, an answer to another request, a
+  version it did not ask for, a chunk or a whole failing its hash, tensors that do not fit the
+  model) is refused, counted by reason in ``rejected`` and logged; the model keeps the last
+  good weights. A source that does not answer (``ConnectionError``) loads nothing and is said
+  by ``unreadable()``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 import time
@@ -36,10 +43,11 @@ from safetensors.torch import save as save_safetensors
 
 from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.weights.channel import WeightChannel
-from creditrl.weights.tensors import apply_state, publishable_state, snapshot_tensors
+from creditrl.weights.tensors import apply_state, is_peft, publishable_state, snapshot_tensors
 
 __all__ = [
     "KINDS",
+    "REFUSALS",
     "Manifest",
     "RateLimit",
     "WireAssembler",
@@ -48,18 +56,36 @@ __all__ = [
     "WireLimits",
     "WirePublisher",
     "WireSource",
+    "check_fits",
     "decode_publication",
     "encode_publication",
 ]
 
+log = logging.getLogger(__name__)
+
 KINDS = ("full", "merged", "adapter")
+# why a sampler refused what came back (``WireError.reason``), counted in ``WireChannel.rejected``
+REFUSALS = {
+    "manifest": "a manifest that is not what a publisher sends (type, range, consistency)",
+    "order": "an answer to another request than the one asked (late, or out of order)",
+    "version": "a version other than the one asked for, or one the learner does not hold",
+    "size": "a message larger than the limits allow, or a chunk not of its manifest's size",
+    "checksum": "a chunk or a whole publication whose SHA-256 differs from its manifest's",
+    "payload": "a complete publication that is not safetensors, or whose tensors do not fit",
+    "message": "an answer that does not decode (frames, header fields, types)",
+}
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HEADER_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=4, max_items=4_000_000)
 _ALIAS_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=1, max_items=1_000_000)
 
 
 class WireError(ValueError):
-    """A manifest, chunk or publication that is not what ``WirePublisher`` sends."""
+    """A manifest, chunk or publication that is not what ``WirePublisher`` sends; ``reason``
+    says which kind of refusal it is (``REFUSALS``)."""
+
+    def __init__(self, message: str, reason: str = "manifest") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -134,13 +160,21 @@ def _sha(data: bytes) -> str:
 
 
 def encode_publication(
-    kind: str, tensors: dict[str, torch.Tensor], version: int, chunk_bytes: int = 8 << 20
+    kind: str,
+    tensors: dict[str, torch.Tensor],
+    version: int,
+    chunk_bytes: int = 8 << 20,
+    *,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[Manifest, bytes]:
     """(manifest, payload): ``tensors`` as safetensors bytes (shared tensors once, aliases in
-    the metadata) cut into ``chunk_bytes`` pieces."""
+    the metadata) cut into ``chunk_bytes`` pieces. With ``aliases``, ``tensors`` are already
+    ``snapshot_tensors``'s copies."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    stored, aliases = snapshot_tensors(tensors)
+    stored = tensors
+    if aliases is None:
+        stored, aliases = snapshot_tensors(tensors)
     payload = save_safetensors(stored, metadata={"aliases": json.dumps(aliases)})
     pieces = [payload[i : i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)]
     manifest = Manifest(
@@ -159,11 +193,13 @@ def decode_publication(payload: bytes) -> dict[str, torch.Tensor]:
         aliases = loads_bounded(raw, _ALIAS_LIMITS)
         tensors = load_safetensors(payload)
     except Exception as e:  # a header over its bounds, safetensors' own errors
-        raise WireError(f"the weight payload is not safetensors: {str(e)[:200]}") from None
+        why = f"the weight payload is not safetensors: {str(e)[:200]}"
+        raise WireError(why, "payload") from None
     if not isinstance(aliases, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v in tensors for k, v in aliases.items()
     ):
-        raise WireError("the weight payload's aliases are not {name: stored tensor name}")
+        why = "the weight payload's aliases are not {name: stored tensor name}"
+        raise WireError(why, "payload")
     for alias, target in aliases.items():
         tensors[alias] = tensors[target]
     return tensors
@@ -204,12 +240,14 @@ class WireAssembler:
         missing = self.missing()
         if missing:
             raise WireError(
-                f"weight version {self.manifest.version}: {len(missing)} chunks missing"
+                f"weight version {self.manifest.version}: {len(missing)} chunks missing", "size"
             )
         whole = b"".join(self._pieces[i] for i in range(len(self.manifest.chunks)))
         if _sha(whole) != self.manifest.sha256:
             self._pieces.clear()
-            raise WireError(f"weight version {self.manifest.version}: the whole's sha256 differs")
+            raise WireError(
+                f"weight version {self.manifest.version}: the whole's sha256 differs", "checksum"
+            )
         return whole
 
 
@@ -257,11 +295,45 @@ class WirePublisher:
         self.rate = RateLimit(rate_bytes)
         self._held: OrderedDict[int, tuple[Manifest, bytes]] = OrderedDict()
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    def publish(self, model: torch.nn.Module, version: int) -> Manifest:
-        """Encode ``model``'s weights (``lora_sync`` for a LoRA model) as ``version``."""
+    def publish(self, model: torch.nn.Module, version: int, *,
+                background: bool = False) -> Manifest | None:  # fmt: skip
+        """Encode ``model``'s weights (``lora_sync`` for a LoRA model) as ``version`` and
+        return its manifest; with ``background`` the weights are copied now and encoded by a
+        thread (None; ``wait()`` for it), one publication in flight at a time."""
+        self.wait()
         kind, tensors = publishable_state(model, self.lora_sync)
-        manifest, payload = encode_publication(kind, tensors, version, self.chunk_bytes)
+        stored, aliases = snapshot_tensors(tensors)
+        if not background:
+            return self._encode(kind, stored, aliases, version)
+        self._thread = threading.Thread(
+            target=self._encode_logged, args=(kind, stored, aliases, version), daemon=True
+        )
+        self._thread.start()
+        return None
+
+    def wait(self) -> None:
+        """Block until the publication in flight (if any) is served, re-raising its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("encoding weights for the wire failed") from error
+
+    def _encode_logged(self, *args: Any) -> None:
+        try:
+            self._encode(*args)
+        except BaseException as e:  # surfaced by the next publish() or wait()
+            self._error = e
+
+    def _encode(self, kind: str, stored: dict[str, torch.Tensor], aliases: dict[str, str],
+                version: int) -> Manifest:  # fmt: skip
+        manifest, payload = encode_publication(
+            kind, stored, version, self.chunk_bytes, aliases=aliases
+        )
         with self._lock:
             self._held[manifest.version] = (manifest, payload)
             while len(self._held) > self.keep:
@@ -278,7 +350,7 @@ class WirePublisher:
     def chunk(self, version: int, index: int) -> bytes:
         manifest, payload = self._get(version)
         if type(index) is not int or not 0 <= index < len(manifest.chunks):
-            raise WireError(f"weight version {version} has no chunk {index!r}")
+            raise WireError(f"weight version {version} has no chunk {index!r}", "version")
         start = index * manifest.chunk_bytes
         data = payload[start : start + manifest.chunk_bytes]
         self.rate.take(len(data))
@@ -288,20 +360,54 @@ class WirePublisher:
         with self._lock:
             held = self._held.get(version)
         if held is None:
-            raise WireError(f"weight version {version!r} is not held (pruned or never published)")
+            raise WireError(
+                f"weight version {version!r} is not held (pruned or never published)", "version"
+            )
         return held
+
+
+def check_fits(model: torch.nn.Module, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+    """WireError (``payload``) unless ``tensors`` are exactly what ``apply_state`` loads into
+    ``model`` for ``kind``: every name and shape of its state dict (``full``, ``merged``), or
+    of its adapter (``adapter``), and nothing else; checked before a tensor is copied, so a
+    publication that does not fit leaves the model as it was."""
+    if kind == "adapter":
+        if not is_peft(model):
+            raise WireError("an adapter publication for a model without LoRA", "payload")
+        from peft import get_peft_model_state_dict
+
+        expected = get_peft_model_state_dict(model)
+    else:
+        if is_peft(model):
+            raise WireError(f"a {kind} publication for a LoRA model", "payload")
+        expected = model.state_dict()
+    if tensors.keys() != expected.keys():
+        unknown = sorted(set(tensors) ^ set(expected))[:3]
+        raise WireError(f"the publication's tensor names differ from the model's: {unknown}",
+                        "payload")  # fmt: skip
+    for name, value in tensors.items():
+        if value.shape != expected[name].shape or value.dtype.is_floating_point != (
+            expected[name].dtype.is_floating_point
+        ):
+            raise WireError(f"tensor {name[:80]} has shape {tuple(value.shape)}, the model's "
+                            f"{tuple(expected[name].shape)}", "payload")  # fmt: skip
 
 
 class WireChannel(WeightChannel):
     """The sampler's side over a ``WireSource``: ``load`` fetches the newest version's missing
     chunks (kept across dropped connections and calls), checks and decodes it, and applies it
-    only when complete. ``publish`` is the learner's (``WirePublisher``), not this side's."""
+    only when complete and fitting the model. ``publish`` is the learner's (``WirePublisher``),
+    not this side's. ``rejected``: refusals by reason (``REFUSALS``); ``fetched``: chunks
+    received; ``problem``: why the last attempt got no answer (None after one that did)."""
 
     def __init__(self, source: WireSource, *, limits: WireLimits | None = None,
                  version: int = 0) -> None:  # fmt: skip
         super().__init__(version)
         self.source, self.limits = source, limits or WireLimits()
         self._pending: WireAssembler | None = None
+        self.rejected: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self.fetched = 0
+        self.problem: str | None = None
 
     def publish(self, model: torch.nn.Module, version: int, *, background: bool = False) -> None:
         raise TypeError("a sampler's wire channel receives weights; the learner publishes them")
@@ -309,10 +415,31 @@ class WireChannel(WeightChannel):
     def newest(self) -> int | None:
         return self.source.newest()
 
+    def unreadable(self) -> str | None:
+        """Why the last attempt to fetch weights got no answer; None when it got one."""
+        return self.problem
+
     def load(self, model: torch.nn.Module, then: Callable[[], object] | None = None) -> bool:
-        """Fetch and apply the newest version if it is newer than ``version``; a dropped
+        """Fetch and apply the newest version if it is newer than ``version``. A dropped
         connection (``ConnectionError``) leaves what arrived for the next call and loads
-        nothing now."""
+        nothing now; a refusal (``WireError``) is counted and logged, and what was pending for
+        that version dropped; either way the model keeps the weights it holds."""
+        try:
+            loaded = self._load(model, then)
+        except ConnectionError as e:
+            self.problem = str(e)[:300] or type(e).__name__
+            return False
+        except WireError as e:
+            self.problem = None
+            self.rejected[e.reason if e.reason in REFUSALS else "message"] += 1
+            if e.reason in ("manifest", "version", "payload"):
+                self._pending = None
+            log.warning("weights over the wire: refused (%s): %s", e.reason, e)
+            return False
+        self.problem = None
+        return loaded
+
+    def _load(self, model: torch.nn.Module, then: Callable[[], object] | None) -> bool:
         newest = self.source.newest()
         if newest is None or newest <= self.version:
             return False
@@ -320,16 +447,23 @@ class WireChannel(WeightChannel):
         if pending is None or pending.manifest.version != newest:
             manifest = Manifest.parse(self.source.manifest(newest), self.limits)
             if manifest.version != newest:
-                raise WireError(f"asked for weight version {newest}, got {manifest.version}")
+                raise WireError(
+                    f"asked for weight version {newest}, got {manifest.version}", "version"
+                )
             pending = self._pending = WireAssembler(manifest)
-        try:
-            for index in pending.missing():
-                pending.add(index, self.source.chunk(newest, index))
-        except ConnectionError:
-            return False
+        manifest = pending.manifest
+        for index in pending.missing():
+            data = self.source.chunk(newest, index)
+            self.fetched += 1
+            size = min(manifest.chunk_bytes, manifest.size - index * manifest.chunk_bytes)
+            if not pending.add(index, data):
+                self.rejected["size" if len(data) != size else "checksum"] += 1
+                log.warning("weights over the wire: chunk %d of version %d refused (%s)",
+                            index, newest, "size" if len(data) != size else "checksum")  # fmt: skip
         if pending.missing():
             return False  # rejected chunks: asked for again at the next call
         tensors = decode_publication(pending.payload())
         self._pending = None
+        check_fits(model, pending.manifest.kind, tensors)
         apply_state(model, pending.manifest.kind, tensors, f"weight version {newest} (wire)")
         return self._hold(newest, then)

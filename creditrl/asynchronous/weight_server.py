@@ -1,0 +1,442 @@
+"""Weights over the wire between the learner and its samplers (``asynchronous.weight_channel``).
+
+The learner serves its ``WirePublisher``'s publications on a second ZeroMQ port (``weight_port``:
+``asynchronous.weight_port``, 0: the learner's port + 1), CURVE-protected as the episodes'
+port is, from a thread of its own (``WeightServer``), so a sampler fetches weights while the
+learner trains. A sampler's ``WeightClient`` (a ``creditrl.weights.wire.WireSource``) asks one
+thing at a time over a DEALER socket, ``manifest_request`` then ``chunk_request`` per chunk
+(``creditrl.asynchronous.messages``), and waits ``weight_timeout_s`` for each answer; what it
+cannot use is refused and counted (``rejected``), and its ``WireChannel`` keeps the last good
+weights.
+
+Bounds: a request is at most ``_MAX_REQUEST`` bytes (libzmq's ``MAXMSGSIZE``: a larger one
+disconnects its sender unread); an answer at most the sampler's ``WireLimits.max_chunk_bytes``
+plus 1 MiB of header; both are decoded by ``messages.decode`` with their fields checked, never
+pickled. ``LearnerChannel`` is the learner's channel: the folder, and the weight port when it
+serves the wire (``serves_wire``: ``weight_channel=wire``, or ``auto`` with a host that is not
+loopback). ``sampler_channel`` / ``choose_channel`` pick a sampler's (``auto``: the folder when
+its run lock is visible here or the learner serves no wire, else the wire) and say which in
+one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from creditrl.asynchronous.messages import (
+    WEIGHT_REQUESTS,
+    Message,
+    MessageError,
+    decode,
+    weight_message,
+)
+from creditrl.asynchronous.settings import run_id, weight_channel, weight_root
+from creditrl.asynchronous.transport import endpoint, sampler_curve_keys, server_curve_keys
+from creditrl.config import Config
+from creditrl.config.schema import AsyncConfig
+from creditrl.errors import ConfigError
+from creditrl.hosts import is_loopback
+from creditrl.run_lock import LOCK_NAME
+from creditrl.weights import (
+    ChosenLater,
+    FolderChannel,
+    WeightChannel,
+    WireChannel,
+    WireLimits,
+    WirePublisher,
+)
+from creditrl.weights.wire import REFUSALS, WireError
+
+__all__ = [
+    "LearnerChannel",
+    "WeightClient",
+    "WeightServer",
+    "choose_channel",
+    "learner_channel",
+    "sampler_channel",
+    "serves_wire",
+    "weight_port",
+    "weight_timeout_s",
+    "wire_publisher",
+]
+
+log = logging.getLogger(__name__)
+_MAX_REQUEST = 64 << 10  # a request is a short JSON header
+_HEADER_SLACK = 1 << 20  # an answer's header beside its chunk
+CHUNK_BYTES = 8 << 20
+_MIB = 1 << 20
+
+
+def weight_port(cfg: AsyncConfig, port: int) -> int:
+    """The learner's weight port: ``weight_port``, or 0: the episodes' ``port`` + 1 (0, a
+    free one, when that is 0 too)."""
+    return cfg.weight_port or (port + 1 if port else 0)
+
+
+def serves_wire(cfg: Config) -> bool:
+    """The learner serves weights over the wire: ``weight_channel=wire``, or ``auto`` with a
+    host that is not loopback (samplers on other machines may not see its folder)."""
+    a = cfg.asynchronous
+    return a.weight_channel == "wire" or (a.weight_channel == "auto" and not is_loopback(a.host))
+
+
+def wire_publisher(cfg: Config) -> WirePublisher:
+    """The learner's publications for the wire: the newest 2 kept, LoRA models as
+    ``lora_sync`` says, ``weight_rate_mb`` MB/s at most (0: unbounded)."""
+    a = cfg.asynchronous
+    return WirePublisher(a.lora_sync, keep=2, chunk_bytes=CHUNK_BYTES,
+                         rate_bytes=a.weight_rate_mb * _MIB)  # fmt: skip
+
+
+def weight_timeout_s(cfg: AsyncConfig) -> float:
+    """How long a sampler waits for one answer: ``ping_s``, plus the time the learner's rate
+    limit may take to send a chunk to every sampler ahead of it."""
+    if cfg.weight_rate_mb <= 0:
+        return cfg.ping_s
+    return cfg.ping_s + (cfg.num_samplers + 1) * CHUNK_BYTES / (cfg.weight_rate_mb * _MIB)
+
+
+class WeightServer:
+    """The learner's weight port (module docstring): a thread answering manifest and chunk
+    requests from ``publisher`` on ``tcp://host:port`` (0: a free port). ``context``: the
+    episodes' socket's, whose CURVE authenticator then admits the same samplers; None: its own
+    (with an authenticator of its own for ``curve_keys_dir``'s ``authorized/``). ``counts``
+    (the learner's ``async/*`` counters, else its own): ``weights_requests``,
+    ``weights_chunks_sent``, ``weights_bytes_sent``, ``weights_refused_<reason>``."""
+
+    def __init__(self, cfg: AsyncConfig, publisher: WirePublisher, port: int, *,
+                 context: zmq.Context | None = None,
+                 counts: dict[str, int] | None = None) -> None:  # fmt: skip
+        self.publisher = publisher
+        self.own_context = context is None
+        self.context = zmq.Context() if context is None else context
+        self.auth: ThreadAuthenticator | None = None
+        self.counts: dict[str, int] = defaultdict(int) if counts is None else counts
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, cfg.hwm)
+        self.sock.setsockopt(zmq.RCVHWM, cfg.hwm)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        keys = server_curve_keys(cfg)
+        try:
+            if keys is not None:
+                if self.own_context:
+                    self.auth = ThreadAuthenticator(self.context)
+                    self.auth.start()
+                    location = str(Path(cfg.curve_keys_dir or "") / "authorized")
+                    self.auth.configure_curve(domain="*", location=location)
+                self.sock.curve_publickey, self.sock.curve_secretkey = keys
+                self.sock.curve_server = True
+            elif not is_loopback(cfg.host) and not cfg.allow_insecure:
+                raise ValueError(
+                    f"refusing to serve weights on {cfg.host!r} (not loopback) without CURVE: "
+                    "set asynchronous.curve_keys_dir or asynchronous.allow_insecure=true"
+                )
+            if port == 0:
+                port = self.sock.bind_to_random_port(endpoint(cfg.host, 0).rsplit(":", 1)[0])
+            else:
+                self.sock.bind(endpoint(cfg.host, port))
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.port, self.address = port, endpoint(cfg.host, port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.sock.poll(100):
+                    continue
+                identity = self.sock.recv()
+                frames = []
+                while self.sock.rcvmore:
+                    frame = self.sock.recv(copy=False)
+                    if len(frames) < 3:
+                        frames.append(frame.bytes)
+                    else:
+                        frames.append(b"")  # counted as too many frames below, unread
+                self._answer(identity, frames)
+            except zmq.ZMQError as e:
+                if self._stop.is_set() or e.errno == zmq.ETERM:
+                    return
+                log.exception("weight server: socket error")
+            except Exception:  # one bad request never stops the server
+                log.exception("weight server: failed on a request")
+                self.counts["weights_refused_error"] += 1
+
+    def _answer(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            message = decode(frames)
+            if message.kind not in WEIGHT_REQUESTS:
+                raise MessageError(f"the weight port answers {WEIGHT_REQUESTS}, not {message.kind}")
+        except MessageError as e:
+            self.counts[f"weights_refused_{e.reason}"] += 1
+            log.warning("weight server: refused a request: %s", e)
+            return
+        header, rid = message.header, message.header["rid"]
+        try:
+            if message.kind == "manifest_request":
+                version = header["version"]
+                newest = self.publisher.newest()
+                version = newest if version is None else version
+                manifest = None if version is None else self.publisher.manifest(version)
+                reply = weight_message("manifest", rid=rid, newest=newest, manifest=manifest)
+            else:
+                data = self.publisher.chunk(header["version"], header["index"])
+                reply = weight_message("chunk", data, rid=rid, version=header["version"],
+                                       index=header["index"])  # fmt: skip
+                self.counts["weights_chunks_sent"] += 1
+                self.counts["weights_bytes_sent"] += len(data)
+        except WireError as e:
+            self.counts[f"weights_refused_{e.reason}"] += 1
+            reply = weight_message("weights_refused", rid=rid, reason=e.reason, detail=str(e)[:200])
+        self.counts["weights_requests"] += 1
+        try:
+            self.sock.send_multipart([identity, *reply], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.counts["weights_unsent"] += 1  # its queue is full: it asks again after its timeout
+
+    def close(self) -> None:
+        """Stop the thread, then close the socket (and the context and authenticator it owns)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        if self.own_context:
+            self.context.term()
+
+
+class LearnerChannel(FolderChannel):
+    """The learner's weight channel: the weight folder (``FolderChannel``, claimed as run
+    ``run_id``), and with ``serves_wire`` a ``WirePublisher`` served on the weight port from
+    the start (said in one line through ``say``; a port that cannot be bound is a one-line
+    ConfigError with ``weight_channel=wire``, said and served without otherwise). ``publish``
+    goes to both; ``close`` waits for both and stops the server."""
+
+    def __init__(self, cfg: Config, port: int, say: Any, counts: dict[str, int]) -> None:
+        a = cfg.asynchronous
+        super().__init__(weight_root(cfg), publish=True, keep=a.keep_weight_versions,
+                         lora_sync=a.lora_sync, run=run_id(cfg))  # fmt: skip
+        self.wire: WirePublisher | None = None
+        self.server: WeightServer | None = None
+        if not serves_wire(cfg):
+            return
+        wanted = endpoint(a.host, weight_port(a, port))
+        try:
+            self.server = WeightServer(a, wire_publisher(cfg), weight_port(a, port), counts=counts)
+        except zmq.ZMQError as e:
+            if a.weight_channel == "wire":
+                self.lock.release()
+                raise ConfigError(
+                    f"asynchronous.weight_port: cannot serve weights on {wanted}: {e.strerror}"
+                ) from None
+            say(
+                f"learner: cannot serve weights on {wanted} ({e.strerror}); samplers that "
+                "cannot read the weight folder get none (asynchronous.weight_port)",
+                markup=False,
+            )
+            return
+        self.wire = self.server.publisher
+        say(f"learner: serving weights over the wire on {self.server.address} "
+            f"(asynchronous.weight_channel={a.weight_channel})", markup=False)  # fmt: skip
+
+    def publish(self, model: Any, version: int, *, background: bool = False) -> None:
+        super().publish(model, version, background=background)
+        if self.wire is not None:
+            self.wire.publish(model, version, background=background)
+
+    def wait(self) -> None:
+        super().wait()
+        if self.wire is not None:
+            self.wire.wait()
+
+    def close(self) -> None:
+        """Wait for the publications in flight, then stop serving."""
+        self.wait()
+        if self.server is not None:
+            self.server.close()
+
+
+def learner_channel(
+    cfg: Config, port: int | None, say: Any, counts: dict[str, int]
+) -> LearnerChannel:
+    """Learner rank 0's weight channel (``LearnerChannel``) for episodes on ``port`` (None:
+    ``asynchronous.port``)."""
+    return LearnerChannel(cfg, cfg.asynchronous.port if port is None else port, say, counts)
+
+
+class WeightClient:
+    """A sampler's ``WireSource`` over a DEALER to the learner's weight port ``address`` (module
+    docstring). Each call sends one request and waits ``timeout_s`` for its answer: none is a
+    ``ConnectionError``; an answer to an earlier request (``rid``) or one that does not decode
+    is skipped and counted (``rejected``); the learner's refusal, or an answer to this request
+    for another version or chunk, is a ``WireError``. Thread-safe (one request at a time)."""
+
+    def __init__(
+        self,
+        cfg: AsyncConfig,
+        sampler_id: str,
+        address: str,
+        *,
+        limits: WireLimits | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.address, self.limits = address, limits or WireLimits()
+        self.timeout_s = weight_timeout_s(cfg) if timeout_s is None else timeout_s
+        self.rejected: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 4)
+        self.sock.setsockopt(zmq.RCVHWM, 4)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_chunk_bytes + _HEADER_SLACK)
+        self.sock.setsockopt(zmq.IDENTITY, f"{sampler_id}.w".encode())
+        keys = sampler_curve_keys(cfg)
+        if keys is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
+        self.sock.connect(address)
+        self._lock = threading.Lock()
+        self._rid = 0
+        self._manifest: tuple[int, dict[str, Any]] | None = None
+
+    def newest(self) -> int | None:
+        """The learner's newest published version (its manifest kept for ``manifest``)."""
+        reply = self._ask("manifest_request", version=None)
+        newest, manifest = reply.header["newest"], reply.header["manifest"]
+        self._manifest = None if newest is None or manifest is None else (newest, manifest)
+        return newest
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """Version ``version``'s manifest fields (checked by the ``WireChannel``)."""
+        if self._manifest is not None and self._manifest[0] == version:
+            return self._manifest[1]
+        manifest = self._ask("manifest_request", version=version).header["manifest"]
+        if manifest is None:
+            raise WireError(f"the learner sent no manifest for version {version}", "version")
+        return manifest
+
+    def chunk(self, version: int, index: int) -> bytes:
+        """Chunk ``index`` of ``version``."""
+        reply = self._ask("chunk_request", version=version, index=index)
+        if (reply.header["version"], reply.header["index"]) != (version, index):
+            raise WireError(
+                f"asked for chunk {index} of version {version}, got chunk "
+                f"{reply.header['index']} of version {reply.header['version']}",
+                "order",
+            )
+        return reply.payload or b""
+
+    def _ask(self, kind: str, **fields: Any) -> Message:
+        expected = "manifest" if kind == "manifest_request" else "chunk"
+        with self._lock:
+            self._rid += 1
+            rid = self._rid
+            try:
+                self.sock.send_multipart(weight_message(kind, rid=rid, **fields), zmq.NOBLOCK)
+            except zmq.Again:
+                raise ConnectionError(
+                    f"the learner's weight port {self.address} takes no request"
+                ) from None
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.sock.poll(int(left * 1000)):
+                    raise ConnectionError(
+                        f"no answer from the learner's weight port {self.address} within "
+                        f"{self.timeout_s:.0f}s (asynchronous.weight_port)"
+                    )
+                reply = self._receive()
+                if reply is None:
+                    continue
+                if reply.header["rid"] != rid:
+                    self.rejected["order"] += 1
+                    log.warning("weights over the wire: skipped an answer to request %s "
+                                "(asked %s)", reply.header["rid"], rid)  # fmt: skip
+                    continue
+                if reply.kind == "weights_refused":
+                    raise WireError(f"the learner refused: {reply.header['detail']}", "version")
+                if reply.kind != expected:
+                    raise WireError(f"asked for a {expected}, got a {reply.kind}", "order")
+                return reply
+
+    def _receive(self) -> Message | None:
+        frames = self.sock.recv_multipart()
+        try:
+            message = decode(frames)
+        except MessageError as e:
+            self.rejected["message"] += 1
+            log.warning("weights over the wire: skipped an answer that does not decode: %s", e)
+            return None
+        if message.kind not in ("manifest", "chunk", "weights_refused"):
+            self.rejected["message"] += 1
+            log.warning("weights over the wire: skipped a %r message", message.kind)
+            return None
+        return message
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+def sampler_channel(cfg: Config) -> WeightChannel:
+    """A sampler's weight channel: the folder's with ``weight_channel=folder`` or an engine
+    that reads published folders itself; else one chosen once the learner has answered
+    (``choose_channel``)."""
+    from creditrl.rollout import engine_traits
+
+    sampler_curve_keys(cfg.asynchronous)  # a malformed key in the environment: said now
+    folder_engine = engine_traits(cfg.rollout.engine).weights_via == "folder"
+    if cfg.asynchronous.weight_channel == "folder" or folder_engine:
+        return weight_channel(cfg)
+    return ChosenLater()
+
+
+def folder_visible(cfg: Config) -> str | None:
+    """None when the learner's weight folder (``weight_root``) is visible here, with its run
+    lock in it (the learner holds the folder from start-up); else why not, in words."""
+    root = weight_root(cfg)
+    if not os.access(root, os.R_OK | os.X_OK) or not root.is_dir():
+        return f"{root} cannot be read here"
+    if not (root / LOCK_NAME).exists():
+        return f"{root} holds no learner's {LOCK_NAME}"
+    return None
+
+
+def choose_channel(
+    cfg: Config, channel: ChosenLater, sampler_id: str, port: int, say: Any
+) -> WeightClient | None:
+    """Pick ``channel``'s implementation once the learner has answered (its folder is claimed
+    by then) and say it in one line through ``say``: the wire to the learner's weight port
+    with ``weight_channel=wire``, or with ``auto`` when the folder is not visible here
+    (``folder_visible``) and the learner serves the wire (``serves_wire``: a host that is not
+    loopback); else the folder. Returns the wire's client, for the sampler to close."""
+    a = cfg.asynchronous
+    hidden = folder_visible(cfg) if a.weight_channel == "auto" else "set"
+    if hidden is None or not serves_wire(cfg):
+        channel.choose(weight_channel(cfg))
+        say(f"sampler {sampler_id}: weights from the folder {weight_root(cfg)} "
+            f"(asynchronous.weight_channel={a.weight_channel})")  # fmt: skip
+        return None
+    client = WeightClient(a, sampler_id, endpoint(a.host, weight_port(a, port)))
+    channel.choose(WireChannel(client))
+    why = "wire" if a.weight_channel == "wire" else f"auto: {hidden}"
+    say(f"sampler {sampler_id}: weights over the wire from {client.address} "
+        f"(asynchronous.weight_channel={why})")  # fmt: skip
+    return client
