@@ -22,17 +22,25 @@ Each line: the median seconds, tokens/s, the ratio to ``full`` pair by pair (med
 the LoRA variants the largest |rollout log-prob - the LoRA model's float32 teacher-forced
 log-prob| over the valid tokens.
 
-Then the old-log-prob stage on the last sampled batch: ``ActorWorker.compute_log_prob`` with
-the full model and with the LoRA model (the peft forward the update also runs), and whether a
-``creditrl train`` run with ``model.lora_rank`` > 0 skips that stage here
-(``rollout_log_probs_reusable``: it reuses the sampler's log-probs in float32, recomputes
-them under bf16 autocast, with rollout IS, or top-k/top-p without replay).
+Then the old-log-prob stage on the last sampled batch, as ``creditrl train`` runs it on this
+machine for the default config with and without ``model.lora_rank``
+(``rollout_log_probs_reusable``): where both reuse the sampler's log-probs (a float32 update,
+no rollout IS, no top-k/top-p without replay: this CPU without native bf16) the stage copies
+them for both; where they are recomputed (the update under bf16 autocast, as ``actor.autocast=
+auto`` picks on a CPU with avx512_bf16 or amx) it is ``ActorWorker.compute_log_prob`` with the
+full model against the LoRA model's peft forward (the forward the update runs), alternated
+repeat by repeat. The recompute is timed either way (``--autocast``: the update's autocast, by
+default what ``actor.autocast=auto`` resolves to here).
+
+The last lines are issue 51's acceptance figures: LoRA's sampling tokens/s over the full
+model's (pair by pair, median; target >= 0.9) and the old-log-prob stage's LoRA / full seconds
+(target <= 1.2). ``--write [PATH]`` also writes them, with the command, the CPU and the commit,
+to ``benchmarks/results/lora_rollout.md`` (or PATH).
 
 ``--tiny``: the tiny random model, 2 prompts x 2 trajectories, 8 new tokens (a smoke run;
 the figures mean nothing).
 
-Not measured on a quiet machine yet: the figures in the README are the issue's (``timing_s/gen``
-3.1-3.6 s with ``model.lora_rank=32`` against 1.8-2.2 s without, before the merged copy).
+Quiet run: ``.venv/bin/python benchmarks/lora_rollout.py --repeats 4 --threads 2 --write``.
 """
 
 from __future__ import annotations
@@ -40,9 +48,12 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -67,6 +78,7 @@ class Shape:
     max_new: int
 
 
+RESULTS = Path(__file__).resolve().parent / "results" / "lora_rollout.md"
 MAIN_JOB = Shape(prompts=4, n=4, max_new=96)
 TINY = Shape(prompts=2, n=2, max_new=8)
 
@@ -138,16 +150,107 @@ def runner(
     return run, checker
 
 
-def time_old_log_probs(model: torch.nn.Module, out: Batch, repeats: int) -> float:
-    """Median seconds of the old-log-prob stage (``compute_log_prob``) on ``out``."""
-    worker = ActorWorker(model, ActorConfig(autocast="none"), trainable=False)
-    worker.compute_log_prob(out, 1.0)  # warm-up
-    seconds = []
+def time_old_log_probs(
+    models: dict[str, torch.nn.Module], out: Batch, repeats: int, autocast: str
+) -> dict[str, float]:
+    """Median seconds of the old-log-prob recompute (``compute_log_prob`` under ``autocast``)
+    on ``out`` for each model, the models alternated repeat by repeat."""
+    workers = {
+        name: ActorWorker(model, ActorConfig(autocast=autocast), trainable=False)
+        for name, model in models.items()
+    }
+    for worker in workers.values():
+        worker.compute_log_prob(out, 1.0)  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in workers}
     for _ in range(repeats):
+        for name, worker in workers.items():
+            start = time.perf_counter()
+            worker.compute_log_prob(out, 1.0)
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def time_copy(out: Batch, repeats: int) -> float:
+    """Median seconds of the stage where it reuses the sampler's log-probs (a copy)."""
+    seconds = []
+    for _ in range(max(repeats, 1)):
         start = time.perf_counter()
-        worker.compute_log_prob(out, 1.0)
+        out["rollout_log_probs"].clone()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
+
+
+def verdict(value: float, target: str) -> str:
+    ok = value >= 0.9 if target == ">= 0.9" else value <= 1.2
+    return f"{value:.2f} (target {target}: {'met' if ok else 'NOT met'})"
+
+
+def old_log_prob_lines(
+    model: torch.nn.Module, lora: torch.nn.Module, out: Batch, args: argparse.Namespace
+) -> list[str]:
+    """The old-log-prob stage as ``creditrl train`` runs it here, and the recompute timed."""
+    from creditrl.workers.placement import update_autocast
+
+    configs = {"full": [], "LoRA": [f"model.lora_rank={args.rank}"]}
+    cfgs = {name: load_config(overrides=o) for name, o in configs.items()}
+    reused = {name: rollout_log_probs_reusable(cfg) for name, cfg in cfgs.items()}
+    resolved = update_autocast(cfgs["full"])
+    autocast = resolved if args.autocast == "auto" else args.autocast
+    recompute = time_old_log_probs({"full": model, "LoRA": lora}, out, args.repeats, autocast)
+    copy_s = time_copy(out, args.repeats)
+    stage = {name: copy_s if reused[name] else recompute[name] for name in configs}
+    how = {
+        name: "reuses the rollout log-probs" if reused[name] else "recomputes" for name in reused
+    }
+    lines = [
+        f"old log-probs, recomputed (compute_log_prob, autocast {autocast}, {len(out)} rows, "
+        f"alternated): full {recompute['full']:.3f} s, LoRA (peft forward) "
+        f"{recompute['LoRA']:.3f} s: x{recompute['LoRA'] / recompute['full']:.2f}",
+        f"old-log-prob stage in creditrl train here (actor.autocast=auto -> {resolved}): "
+        f"full {how['full']}, LoRA {how['LoRA']}",
+        f"acceptance (issue 51, LoRA rank {args.rank} against the full model):",
+    ]
+    stage_ratio = stage["LoRA"] / stage["full"] if stage["full"] > 0 else 1.0
+    if reused["full"] and reused["LoRA"]:
+        stage_ratio = 1.0  # both copy the same tensor: the same stage
+        note = "both copy the sampled log-probs"
+    else:
+        note = f"{stage['LoRA']:.3f} s against {stage['full']:.3f} s"
+    lines.append(f"  old-log-prob stage, LoRA / full seconds: {verdict(stage_ratio, '<= 1.2')}"
+                 f" ({note})")  # fmt: skip
+    lines.append(
+        f"  old-log-prob recompute, LoRA / full seconds (where a run recomputes: autocast "
+        f"{autocast}): {verdict(recompute['LoRA'] / recompute['full'], '<= 1.2')}"
+    )
+    return lines
+
+
+def write_results(path: Path, lines: list[str], argv: Sequence[str], tiny: bool) -> None:
+    """The figures as markdown, with the command, the CPU, the commit and the date."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import cpu_flags
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    command = " ".join(["benchmarks/lora_rollout.py", *argv])
+    text = [
+        "# LoRA sampling against the full model (issue 51)",
+        "",
+        f"Command: `.venv/bin/python {command}`  ",
+        f"CPU: {cpu_flags()}  ",
+        f"Commit {commit or 'unknown'}, {when}."
+        + (" A --tiny smoke run: the figures mean nothing." if tiny else ""),
+        "",
+        "```",
+        *lines,
+        "```",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text), encoding="utf-8")
+    print(f"wrote {path}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -157,6 +260,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2-135M")
     parser.add_argument("--tiny", action="store_true", help="the tiny random model, tiny shape")
+    parser.add_argument(
+        "--autocast", choices=("auto", "none", "bf16"), default="auto",
+        help="the old-log-prob recompute's autocast (auto: what actor.autocast=auto picks here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--write", nargs="?", const=str(RESULTS), default=None, metavar="PATH",
+        help=f"also write the figures as markdown (default path: {RESULTS})",
+    )  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else MAIN_JOB
@@ -165,12 +277,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = load_causal_lm(model_dir).eval()
     lora = lora_model(model, args.rank)
     prompts = prompt_batch(tokenizer, shape)
-    print(
+    lines = [
         f"{len(prompts)} trajectories ({shape.prompts} prompts x {shape.n}), prompt width "
         f"{prompts['input_ids'].shape[1]}, {shape.max_new} new tokens (no EOS stop), LoRA rank "
         f"{args.rank} on every linear, torch threads {torch.get_num_threads()}, "
         f"{args.repeats} repeats"
-    )
+    ]
+    print(lines[-1], flush=True)
     variants = {
         "full": runner(model, tokenizer, prompts, shape, lora=False),
         "lora-merged": runner(lora, tokenizer, prompts, shape, lora=True),
@@ -181,30 +294,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     for seed in range(args.repeats):
         for name, (run, _) in variants.items():
             last = run(seed, runs[name])
-    full = runs["full"].seconds
+    full = runs["full"]
+    speed: dict[str, float] = {}
     for name, r in runs.items():
         median = statistics.median(r.seconds)
         tokens = statistics.median(r.tokens)
         line = f"{name:<12} median {median:7.3f} s  {tokens:6.0f} tokens  "
         line += f"{tokens / median:8.1f} tok/s"
         if name != "full":
-            ratios = [b / a for a, b in zip(full, r.seconds, strict=True)]
-            line += f"  x{statistics.median(ratios):.2f} of full"
+            # tokens/s over the full model's, pair by pair (the same seed, back to back)
+            ratios = [
+                (t / s) / (ft / fs)
+                for s, t, fs, ft in zip(r.seconds, r.tokens, full.seconds, full.tokens, strict=True)
+            ]
+            speed[name] = statistics.median(ratios)
+            line += f"  tok/s x{speed[name]:.2f} of full"
             line += f"  |logp - LoRA teacher-forced| max {max(r.gaps):.1e}"
         if name == "lora-merged":
             line += f"  (merge {statistics.median(r.merge_s):.3f} s of it)"
+        lines.append(line)
         print(line, flush=True)
     assert last is not None
-    full_s = time_old_log_probs(model, last, args.repeats)
-    lora_s = time_old_log_probs(lora, last, args.repeats)
-    reused = rollout_log_probs_reusable(
-        load_config(overrides=[f"model.lora_rank={args.rank}", "actor.autocast=none"])
+    tail = old_log_prob_lines(model, lora, last, args)
+    tail.insert(
+        3,
+        f"  sampling tokens/s, LoRA (merged) / full: {verdict(speed['lora-merged'], '>= 0.9')}"
+        f" (through peft: {speed['lora-peft']:.2f})",
     )
-    print(
-        f"old log-probs (compute_log_prob, {len(last)} rows): full {full_s:.3f} s, LoRA "
-        f"{lora_s:.3f} s (x{lora_s / full_s:.2f}); a float32 LoRA run "
-        f"{'reuses the rollout log-probs (stage skipped)' if reused else 'recomputes them'}"
-    )
+    for line in tail:
+        print(line, flush=True)
+    lines += tail
+    if args.write is not None:
+        write_results(Path(args.write), lines, argv, args.tiny)
 
 
 if __name__ == "__main__":

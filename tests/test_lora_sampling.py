@@ -403,15 +403,24 @@ def test_the_tinker_policy_samples_merged_once_per_weight_change(tokenizer):
 # ---- the benchmark --------------------------------------------------------------------------
 
 
-def test_the_lora_rollout_benchmark_runs_on_a_tiny_setting(capsys):
+def test_the_lora_rollout_benchmark_runs_on_a_tiny_setting(capsys, tmp_path, monkeypatch):
+    # a CPU without native bf16: actor.autocast=auto resolves to none, as on this dev box
+    monkeypatch.setattr("creditrl.workers.precision.cpu_has_native_bf16", lambda: False)
     spec = importlib.util.spec_from_file_location(
         "lora_rollout", ROOT / "benchmarks/lora_rollout.py"
     )
     bench = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("lora_rollout", bench)
     spec.loader.exec_module(bench)
-    bench.main(["--tiny", "--repeats", "1", "--threads", "1"])
+    results = tmp_path / "lora_rollout.md"
+    bench.main(["--tiny", "--repeats", "1", "--threads", "1", "--write", str(results)])
     out = capsys.readouterr().out
     for variant in ("full", "lora-merged", "lora-peft"):
         assert f"\n{variant} " in out or out.startswith(f"{variant} "), variant
     assert "old log-probs" in out and "merge" in out
+    # both acceptance ratios, each with its target; a float32 run here reuses the sampled
+    # log-probs with LoRA as without, so the stage is the same copy for both
+    assert "sampling tokens/s, LoRA (merged) / full: " in out and "(target >= 0.9: " in out
+    assert "old-log-prob stage, LoRA / full seconds: 1.00 (target <= 1.2: met)" in out
+    written = results.read_text()
+    assert "--tiny" in written and "CPU: " in written and "(target >= 0.9: " in written
