@@ -125,6 +125,7 @@ def test_a_newer_version_replaces_a_half_fetched_one() -> None:
         ({"chunks": ["0" * 64] * 3}, "chunks do not cut"),
         ({"chunks": "x"}, "chunks is not a list"),
         ({"chunk_bytes": 1 << 30}, "chunk_bytes is not an integer"),
+        ({"sha256": "0" * 64}, "sha256 is not the digest of its chunk hashes"),
     ],
 )
 def test_a_forged_manifest_is_refused_before_a_byte_is_asked_for(

@@ -456,3 +456,33 @@ def test_auto_takes_the_folder_it_sees_else_the_wire_the_learner_serves(tmp_path
     assert isinstance(channel, FolderChannel)
     channel, said = chosen(tmp_path / "seen", "asynchronous.weight_channel=wire")
     assert isinstance(channel, WireChannel) and said[0].endswith("weight_channel=wire)")
+
+
+def test_a_resumed_learner_publishes_its_version_to_the_folder_and_the_wire(
+    tmp_path: Path,
+) -> None:
+    """A learner resumed at v5 whose folder holds only its own v3 (a crash before v4 and v5 were
+    written): start_versions publishes v5, to the folder and to the weight port, whose
+    publications did not survive the restart (before: the folder kept v3 and the wire had
+    nothing, so a sampler over the wire sampled with its first weights)."""
+    from creditrl.asynchronous.settings import start_versions
+    from creditrl.asynchronous.weight_server import LearnerChannel
+
+    cfg = load_config(overrides=[
+        f"trainer.output_dir={tmp_path}", "asynchronous.weight_channel=wire",
+        f"asynchronous.weight_port={free_port()}"])  # fmt: skip
+    model = tiny(0)
+    first = LearnerChannel(cfg, 5557, lambda line, **_: None, {})
+    first.publish(model, 3)
+    first.close()
+    first.lock.release()
+    said: list[str] = []
+    channel = LearnerChannel(cfg, 5557, lambda line, **_: said.append(line), {})
+    try:
+        assert channel.newest() == 3 and channel.wire.newest() is None
+        assert start_versions(cfg, channel, model, 5, said.append) == 5
+        assert channel.newest() == 5 and channel.wire.newest() == 5
+        assert said[0].startswith("learner: serving weights over the wire on tcp://127.0.0.1:")
+    finally:
+        channel.close()
+        channel.lock.release()

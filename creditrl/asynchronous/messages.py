@@ -112,7 +112,9 @@ def check_sampler_id(sampler_id: Any) -> str:
     return sampler_id
 
 
-def encode(kind: str, header: dict[str, Any], payload: bytes | None = None) -> list[bytes]:
+def encode(
+    kind: str, header: dict[str, Any], payload: bytes | memoryview | None = None
+) -> list[bytes]:
     """The frames of a message: ``[PROTOCOL, JSON header with "kind", payload?]``."""
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}; kinds: {KINDS}")
@@ -224,7 +226,9 @@ def _check_learner_header(header: dict[str, Any]) -> None:
         )
 
 
-def weight_message(kind: str, payload: bytes | None = None, **fields: Any) -> list[bytes]:
+def weight_message(
+    kind: str, payload: bytes | memoryview | None = None, **fields: Any
+) -> list[bytes]:
     """Frames of a weight request or answer (module docstring), checked as ``decode`` checks
     them (a ValueError for a field it would refuse)."""
     frames = encode(kind, fields, payload)

@@ -75,8 +75,10 @@ def start_versions(
     run left there (another ``trainer.output_dir``: ``run_id``) are removed, said in one line
     through ``say``: this run's start clean. This run's own, published before a crash, are
     never reused: it continues past them with ``model`` published as a new version; a resumed
-    run whose folder holds none publishes its version. Samplers load weights only once the
-    learner has answered them, so they never see what the folder held before this."""
+    run whose folder holds neither its version nor a later one publishes its version (so a
+    sampler over the wire, whose learner kept nothing across the restart, gets it too).
+    Samplers load weights only once the learner has answered them, so they never see what the
+    folder held before this."""
     published = channel.newest()
     if published is not None and channel.published_by() != run_id(cfg):
         removed = channel.start_clean()
@@ -91,7 +93,7 @@ def start_versions(
     if published is not None and published >= version:
         version = published + 1
         channel.publish(model, version)
-    elif published is None and version > 0:  # resumed, and nothing of its own is there
+    elif version > 0:  # resumed, and its version is not there (a crash before it was written)
         channel.publish(model, version)
     return version
 

@@ -194,7 +194,7 @@ class WeightServer:
                 manifest = None if version is None else self.publisher.manifest(version)
                 reply = weight_message("manifest", rid=rid, newest=newest, manifest=manifest)
             else:
-                data = self.publisher.chunk(header["version"], header["index"])
+                data = self.publisher.chunk_view(header["version"], header["index"])
                 reply = weight_message("chunk", data, rid=rid, version=header["version"],
                                        index=header["index"])  # fmt: skip
                 self.counts["weights_chunks_sent"] += 1
@@ -204,7 +204,7 @@ class WeightServer:
             reply = weight_message("weights_refused", rid=rid, reason=e.reason, detail=str(e)[:200])
         self.counts["weights_requests"] += 1
         try:
-            self.sock.send_multipart([identity, *reply], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([identity, *reply], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.counts["weights_unsent"] += 1  # its queue is full: it asks again after its timeout
 

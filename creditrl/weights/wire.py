@@ -5,10 +5,12 @@ dropped connection, never pickled.
 A publication (``publishable_state``: ``full``, ``merged`` or ``adapter`` tensors) is written
 as one safetensors byte string (tensors that share memory once, aliases in its metadata), cut
 into ``chunk_bytes`` pieces. Its ``Manifest`` names the version, kind, total size, the SHA-256
-of the whole and of every chunk. The sampling side checks the manifest against its
-``WireLimits`` before asking for a byte, each chunk against its hash as it arrives (a bad one is
-dropped and asked for again), and the whole before decoding it; what it already holds survives
-a dropped connection, so the next ``refresh`` asks only for the missing chunks.
+of every chunk and the SHA-256 of those digests in order (the whole's: ``whole_digest``; the
+bytes are hashed once, chunk by chunk, and every chunk checked in place is the whole checked).
+The sampling side checks the manifest against its ``WireLimits`` and its whole digest before
+asking for a byte, and each chunk against its hash as it arrives (a bad one is dropped and
+asked for again); what it already holds survives a dropped connection, so the next
+``refresh`` asks only for the missing chunks.
 
 - ``WirePublisher`` (the learner's side): ``publish(model, version)`` encodes (with
   ``background``: copies now, encodes in a thread) and keeps the newest ``keep``
@@ -59,6 +61,7 @@ __all__ = [
     "check_fits",
     "decode_publication",
     "encode_publication",
+    "whole_digest",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,8 +103,9 @@ class WireLimits:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One publication: ``version``, ``kind``, ``size`` bytes, ``sha256`` of them, and the
-    ``chunk_bytes`` and per-chunk ``chunks`` hashes it is cut into."""
+    """One publication: ``version``, ``kind``, ``size`` bytes, the ``chunk_bytes`` and
+    per-chunk ``chunks`` SHA-256s it is cut into, and ``sha256``, the whole's
+    (``whole_digest(chunks)``)."""
 
     version: int
     kind: str
@@ -145,6 +149,8 @@ class Manifest:
             )
         if not all(isinstance(c, str) and _SHA256.match(c) for c in chunks):
             raise WireError("weight manifest chunk hashes are not 64 hex digits each")
+        if whole_digest(chunks) != digest:
+            raise WireError("weight manifest sha256 is not the digest of its chunk hashes")
         return cls(version, kind, size, digest, chunk_bytes, tuple(chunks))
 
 
@@ -155,8 +161,14 @@ def _count(fields: dict[str, Any], key: str, most: int) -> int:
     return value
 
 
-def _sha(data: bytes) -> str:
+def _sha(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def whole_digest(chunks: list[str] | tuple[str, ...]) -> str:
+    """A publication's SHA-256: of its chunks' SHA-256 digests (32 bytes each), in order. With
+    every chunk matching its digest, the whole matches it: one pass over the bytes, not two."""
+    return _sha(b"".join(bytes.fromhex(c) for c in chunks))
 
 
 def encode_publication(
@@ -176,10 +188,9 @@ def encode_publication(
     if aliases is None:
         stored, aliases = snapshot_tensors(tensors)
     payload = save_safetensors(stored, metadata={"aliases": json.dumps(aliases)})
-    pieces = [payload[i : i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)]
-    manifest = Manifest(
-        int(version), kind, len(payload), _sha(payload), chunk_bytes, tuple(map(_sha, pieces))
-    )
+    view = memoryview(payload)
+    chunks = tuple(_sha(view[i : i + chunk_bytes]) for i in range(0, len(payload), chunk_bytes))
+    manifest = Manifest(int(version), kind, len(payload), whole_digest(chunks), chunk_bytes, chunks)
     return manifest, payload
 
 
@@ -236,19 +247,14 @@ class WireAssembler:
         return True
 
     def payload(self) -> bytes:
-        """The whole publication; WireError if a chunk is missing or the whole's hash fails."""
+        """The whole publication, its chunks in order (each matched its digest, and the
+        manifest's whole digest is theirs: ``Manifest.parse``); WireError if one is missing."""
         missing = self.missing()
         if missing:
             raise WireError(
                 f"weight version {self.manifest.version}: {len(missing)} chunks missing", "size"
             )
-        whole = b"".join(self._pieces[i] for i in range(len(self.manifest.chunks)))
-        if _sha(whole) != self.manifest.sha256:
-            self._pieces.clear()
-            raise WireError(
-                f"weight version {self.manifest.version}: the whole's sha256 differs", "checksum"
-            )
-        return whole
+        return b"".join(self._pieces[i] for i in range(len(self.manifest.chunks)))
 
 
 class RateLimit:
@@ -348,11 +354,16 @@ class WirePublisher:
         return self._get(version)[0].as_dict()
 
     def chunk(self, version: int, index: int) -> bytes:
+        return bytes(self.chunk_view(version, index))
+
+    def chunk_view(self, version: int, index: int) -> memoryview:
+        """Chunk ``index`` of ``version`` without a copy (what the weight port sends), after the
+        rate limit let its bytes go."""
         manifest, payload = self._get(version)
         if type(index) is not int or not 0 <= index < len(manifest.chunks):
             raise WireError(f"weight version {version} has no chunk {index!r}", "version")
         start = index * manifest.chunk_bytes
-        data = payload[start : start + manifest.chunk_bytes]
+        data = memoryview(payload)[start : start + manifest.chunk_bytes]
         self.rate.take(len(data))
         return data
 
