@@ -15,7 +15,8 @@ samplers as its batch source. What is async, top to bottom of a step:
    when ``max_staleness`` > 0), reference and teacher log-probs unless the sampler sent them
    (``asynchronous.ref_on``, ``distill.teacher_on``: the learner then builds no teacher);
 3. ``after_update``: publish the step's version (held by the worker's weight channel), then
-   acknowledge the groups (journaled first); metrics add ``async/*``, the dump staleness.
+   acknowledge the groups (journaled first); metrics add ``async/*`` and ``fleet/*`` (the
+   samplers: ``creditrl.asynchronous.fleet``), the dump staleness.
 
 Resume: the model, optimizer, ledger and version come from the latest checkpoint; the
 acknowledgement journal tells how many episodes were trained after it (their updates are
@@ -241,6 +242,7 @@ class Learner(GroupReceiver, TrainingLoop):
                         "async/buffered_groups": float(len(self.buffer)),
                         "async/buffered_bytes": float(self.buffer.nbytes),
                         "async/samplers": float(len(self.samplers))})  # fmt: skip
+        metrics.update(self.fleet.metrics())
         if self.resume_report and self.step == self.resume_report["step"] + 1:
             dropped = float(self.resume_report["dropped_episodes"])
             metrics["async/dropped_on_resume_episodes"] = dropped

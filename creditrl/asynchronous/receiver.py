@@ -14,6 +14,13 @@ not toward ``max_rejects``: a flood from one peer never disconnects the others).
 groups are acknowledged ``trained`` after the update, journaled first. When no group passes
 within ``asynchronous.data_timeout_s``, ``NoEpisodesError`` says in one line how many were
 rejected meanwhile and why (or that none arrived).
+
+The fleet (``creditrl.asynchronous.fleet``): every message marks its sampler heard, a new group
+counts as delivered; a sampler that joins, restarts (a hello with a new ``started`` id) or
+comes back is said in one line; when the socket reports a dropped connection, every sampler
+alive is sent an empty acknowledgement and those no longer connected are marked gone (one
+line each). While no sampler is connected and a step waits for groups, the learner says so in
+one line; it stops after ``asynchronous.data_timeout_s`` as above.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import defaultdict
 from typing import Any
 
 from creditrl.asynchronous.delivery import AckJournal, DeliveryLedger
+from creditrl.asynchronous.fleet import Fleet
 from creditrl.asynchronous.messages import (
     Message,
     MessageError,
@@ -46,6 +54,7 @@ from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, Gr
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.errors import UserError
+from creditrl.plain_text import as_text
 from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
 from creditrl.tracking import RolloutDumper
@@ -84,6 +93,7 @@ class GroupReceiver:
     cfg: Config
     step: int
     weights: WeightChannel
+    console: Any
 
     @property
     def version(self) -> int:
@@ -134,6 +144,8 @@ class GroupReceiver:
         self.rejects: dict[str, int] = defaultdict(int)  # rejected messages per sender
         self.blocked: set[str] = set()  # senders disconnected after max_rejects rejections
         self.samplers: set[str] = set()
+        self.fleet = Fleet()
+        self.said_none_alive = False  # the line saying no sampler is connected, this wait
         self.incarnation = uuid.uuid4().hex
         self.socket: LearnerSocket | None = None
 
@@ -155,15 +167,49 @@ class GroupReceiver:
                 self.ledger.add(sampler_id, seq)
         pairs = [(seq, status) for seq, status, _ in acks]
         queued = self.buffer.held_for_others(sampler_id)
-        return self.socket.send(
+        sent = self.socket.send(
             sampler_id, ack_message(self.incarnation, self.version, pairs, queued)
         )
+        if not sent and self.socket.unreachable and self.fleet.mark_gone(sampler_id):
+            self._say(f"sampler {sampler_id} disconnected; {self._alive_words()}")
+        return sent
+
+    def _say(self, line: str) -> None:
+        self.console.print(as_text(f"learner: {line}"), soft_wrap=True)
+
+    def _alive_words(self) -> str:
+        """``2 sampler(s) connected (s0, s1)`` (the first 8 ids named)."""
+        alive = self.fleet.alive()
+        named = ", ".join(alive[:8]) + (", ..." if len(alive) > 8 else "")
+        return f"{len(alive)} sampler(s) connected" + (f" ({named})" if alive else "")
+
+    def _heard(self, sender: str, started: str | None = None) -> None:
+        """Mark ``sender`` heard in the fleet; say a sampler that joined, restarted or came
+        back in one line."""
+        change = self.fleet.heard(sender, started)
+        if change == "restarted":
+            restarts = self.fleet.members[sender].restarts
+            self._say(f"sampler {sender} restarted (restart {restarts} seen); "
+                      f"{self._alive_words()}")  # fmt: skip
+        elif change:
+            self._say(f"sampler {sender} {'joined' if change == 'joined' else 'is back'}; "
+                      f"{self._alive_words()}")  # fmt: skip
+        if change:
+            self.said_none_alive = False
+
+    def _probe(self) -> None:
+        """After the socket reported a dropped connection: an empty acknowledgement to every
+        sampler alive, which marks gone those no longer connected (``_ack``)."""
+        for sampler_id in self.fleet.alive():
+            if not self._ack(sampler_id, [], journal=False):
+                self.samplers.discard(sampler_id)
 
     def _handle(self, sender: str, message: Message) -> int:
         """Act on one message that decoded; returns 1 for a group that passed every check."""
         if sender in self.blocked:
             self._refuse(sender)
             return 0
+        self._heard(sender, message.header.get("started") if message.kind == "hello" else None)
         if message.kind == "hello":
             self.samplers.add(sender)
             header = {"incarnation": self.incarnation, "weight_version": self.version,
@@ -198,6 +244,7 @@ class GroupReceiver:
             return 1
         if self.buffer.drop and self.buffer.is_stale(group, self.version):
             self.counters["received_groups"] += 1
+            self.fleet.delivered(sender)
             self._drop_stale([group])
             return 1
         if self.buffer.nbytes + group.nbytes > self.buffer_limit:
@@ -210,6 +257,7 @@ class GroupReceiver:
             self._reject(sender, err, strike=False)
             return 0
         self.counters["received_groups"] += 1
+        self.fleet.delivered(sender)
         self.buffer.add(group)
         return 1
 
@@ -262,6 +310,7 @@ class GroupReceiver:
         if strike and limit and self.rejects[sender] >= limit:
             self.blocked.add(sender)
             self.samplers.discard(sender)
+            self.fleet.mark_gone(sender)
             self.counters["disconnected_samplers"] += 1
             log.error(
                 "learner: sampler %r disconnected after %d rejected messages "
@@ -312,6 +361,7 @@ class GroupReceiver:
                 "frame over %d bytes: asynchronous.max_message_mb)",
                 dropped, max_message_bytes(self.cfg),
             )  # fmt: skip
+            self._probe()
         return groups
 
     def collect(self) -> list[BufferedGroup]:
@@ -328,6 +378,14 @@ class GroupReceiver:
                 rejected_then = self._rejected_by_reason()
             elif time.monotonic() - last_arrival > timeout:
                 raise NoEpisodesError(self._no_episodes(timeout, rejected_then))
+            elif self.fleet.members and not self.fleet.alive() and not self.said_none_alive:
+                self.said_none_alive = True
+                self._say(
+                    f"no sampler connected ({self.fleet.describe_none_alive()}); waiting for one "
+                    f"on {self.socket.address} with {len(self.buffer)} of "
+                    f"{self.groups_per_step} groups buffered, for at most "
+                    f"{timeout:.0f}s without a group (asynchronous.data_timeout_s)"
+                )
 
     def _rejected_by_reason(self) -> dict[str, int]:
         return {k[9:]: v for k, v in self.counters.items() if k.startswith("rejected/")}
@@ -340,6 +398,9 @@ class GroupReceiver:
         counts = {reason: count - rejected_then.get(reason, 0)
                   for reason, count in self._rejected_by_reason().items()}  # fmt: skip
         counts = {reason: count for reason, count in counts.items() if count > 0}
+        if not counts and self.fleet.members and not self.fleet.alive():
+            return (f"{waited}; no sampler connected ({self.fleet.describe_none_alive()}); "
+                    "start one with `creditrl sampler` (asynchronous.data_timeout_s)")  # fmt: skip
         if not counts:
             return f"{waited}; are the samplers running? (asynchronous.data_timeout_s)"
         reasons = ", ".join(f"{reason} {count}" for reason, count in

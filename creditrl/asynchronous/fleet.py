@@ -1,0 +1,116 @@
+"""The learner's view of its samplers (``fleet/*`` metrics): who is connected, who came back,
+when each was last heard and how many groups each delivered.
+
+A sampler joins the fleet with its first message. Its ``hello`` carries ``started``, an id its
+process draws once when it starts (``Sampler.started``): a ``hello`` with another ``started``
+than the one last heard from that sampler id is a restart (of the process, under any launcher,
+or by hand). A sampler is *alive* from any message until a send to it finds its connection
+gone (``mark_gone``: the learner's socket answers that it routes to no such peer); a
+sampler that is busy sampling and silent stays alive, its silence shows in ``last_heard_s``.
+
+Counts are since the learner (process) started; the clock is ``time.monotonic`` unless given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["PER_SAMPLER_METRICS", "Fleet", "Member"]
+
+PER_SAMPLER_METRICS = 64  # samplers (by id, sorted) whose own fleet/<id>/* metrics are logged
+
+
+@dataclass
+class Member:
+    """One sampler id as the learner knows it."""
+
+    sampler_id: str
+    last_heard: float
+    started: str | None = None  # the ``started`` id of its process, as last heard
+    alive: bool = True
+    restarts: int = 0  # hellos with a new ``started`` id after the first one
+    groups: int = 0  # groups delivered: new groups that passed every check
+
+
+class Fleet:
+    """Every sampler heard from (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+
+    def heard(self, sampler_id: str, started: str | None = None) -> str:
+        """A message from ``sampler_id`` (a ``hello`` gives its ``started`` id): it is alive
+        and heard now. Returns what changed: ``"joined"`` (first message), ``"restarted"`` (a
+        new ``started`` id), ``"back"`` (alive again, same process) or ``""``."""
+        now = self.clock()
+        member = self.members.get(sampler_id)
+        if member is None:
+            self.members[sampler_id] = Member(sampler_id, now, started)
+            return "joined"
+        change = "" if member.alive else "back"
+        if started is not None and member.started is not None and started != member.started:
+            member.restarts += 1
+            change = "restarted"
+        if started is not None:
+            member.started = started
+        member.alive, member.last_heard = True, now
+        return change
+
+    def delivered(self, sampler_id: str) -> None:
+        """One new group of ``sampler_id`` passed every check."""
+        self.heard(sampler_id)
+        self.members[sampler_id].groups += 1
+
+    def mark_gone(self, sampler_id: str) -> bool:
+        """A send found ``sampler_id``'s connection gone; True if it was alive until now."""
+        member = self.members.get(sampler_id)
+        if member is None or not member.alive:
+            return False
+        member.alive = False
+        return True
+
+    def alive(self) -> list[str]:
+        """The ids of the samplers alive, sorted."""
+        return sorted(s for s, m in self.members.items() if m.alive)
+
+    def silent_s(self, sampler_id: str) -> float:
+        """Seconds since ``sampler_id`` was last heard."""
+        return max(self.clock() - self.members[sampler_id].last_heard, 0.0)
+
+    def last_heard_s(self) -> float:
+        """The longest silence among the samplers alive (among all of them when none is; 0.0
+        before any was heard)."""
+        ids = self.alive() or list(self.members)
+        return max((self.silent_s(s) for s in ids), default=0.0)
+
+    def describe_none_alive(self) -> str:
+        """``s0 last heard 12s ago, s1 ...`` (the five heard most recently) for a line saying
+        that no sampler is connected."""
+        recent = sorted(self.members, key=lambda s: -self.members[s].last_heard)[:5]
+        more = len(self.members) - len(recent)
+        words = ", ".join(f"{s} last heard {self.silent_s(s):.0f}s ago" for s in recent)
+        return words + (f" and {more} more" if more > 0 else "")
+
+    def metrics(self) -> dict[str, float]:
+        """``fleet/alive``, ``fleet/known`` (every sampler id heard from), ``fleet/restarts``,
+        ``fleet/last_heard_s`` (``last_heard_s``), ``fleet/groups_delivered``; and per sampler
+        (the first ``PER_SAMPLER_METRICS`` ids, sorted) ``fleet/<id>/alive``,
+        ``fleet/<id>/restarts``, ``fleet/<id>/last_heard_s``, ``fleet/<id>/groups_delivered``."""
+        members = self.members.values()
+        out = {
+            "fleet/alive": float(sum(m.alive for m in members)),
+            "fleet/known": float(len(self.members)),
+            "fleet/restarts": float(sum(m.restarts for m in members)),
+            "fleet/last_heard_s": self.last_heard_s(),
+            "fleet/groups_delivered": float(sum(m.groups for m in members)),
+        }
+        for sampler_id in sorted(self.members)[:PER_SAMPLER_METRICS]:
+            m = self.members[sampler_id]
+            out[f"fleet/{sampler_id}/alive"] = float(m.alive)
+            out[f"fleet/{sampler_id}/restarts"] = float(m.restarts)
+            out[f"fleet/{sampler_id}/last_heard_s"] = self.silent_s(sampler_id)
+            out[f"fleet/{sampler_id}/groups_delivered"] = float(m.groups)
+        return out
