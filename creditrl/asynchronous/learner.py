@@ -237,12 +237,7 @@ class Learner(GroupReceiver, TrainingLoop):
         metrics = staleness_metrics(whole["staleness"])
         metrics.update(self.group_stats.metrics())
         metrics.update(self.training.scored_elsewhere_metrics(whole))
-        metrics.update({f"async/{k}": float(v) for k, v in self.counters.items()})
-        metrics.update({"async/weight_version": float(self.version),
-                        "async/buffered_groups": float(len(self.buffer)),
-                        "async/buffered_bytes": float(self.buffer.nbytes),
-                        "async/samplers": float(len(self.samplers))})  # fmt: skip
-        metrics.update(self.fleet.metrics())
+        metrics.update(self.receiving_metrics())
         if self.resume_report and self.step == self.resume_report["step"] + 1:
             dropped = float(self.resume_report["dropped_episodes"])
             metrics["async/dropped_on_resume_episodes"] = dropped

@@ -424,6 +424,17 @@ class GroupReceiver:
             if not self._ack(sampler_id, [], journal=False):
                 self.samplers.discard(sampler_id)  # gone: heard of again at its next hello
 
+    def receiving_metrics(self) -> dict[str, float]:
+        """``async/<counter>`` for every counter, the learner's version, what it buffers, the
+        samplers it acknowledges, and the fleet's ``fleet/*``."""
+        metrics = {f"async/{k}": float(v) for k, v in self.counters.items()}
+        metrics.update({"async/weight_version": float(self.version),
+                        "async/buffered_groups": float(len(self.buffer)),
+                        "async/buffered_bytes": float(self.buffer.nbytes),
+                        "async/samplers": float(len(self.samplers))})  # fmt: skip
+        metrics.update(self.fleet.metrics())
+        return metrics
+
     def stop_samplers(self) -> None:
         """Tell every sampler heard from to stop, then close the socket."""
         if self.socket is None:
