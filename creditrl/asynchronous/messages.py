@@ -21,6 +21,18 @@ acknowledgement names its ``reason`` (``validation.REASONS``) and has ``seq`` nu
 message carried no readable one. ``disconnected`` tells a sampler that the learner ignores it
 from now on (too many rejected messages).
 
+Weights over the wire (``asynchronous.weight_channel``; a second socket, to the learner's
+weight port, served while the learner trains: ``creditrl.asynchronous.weight_server``): a
+sampler asks ``manifest_request`` {rid, version} and ``chunk_request`` {rid, version, index};
+the learner answers ``manifest`` {rid, newest, manifest} (``newest`` null before the first
+publication; ``manifest`` the asked version's ``creditrl.weights.wire.Manifest`` fields,
+checked by the sampler against its ``WireLimits``, or null when the request's version was
+null: asking only for the newest version's number), ``chunk`` {rid, version, index} + the
+chunk's bytes, or ``weights_refused`` {rid, reason, detail} (a version it does not hold, a
+chunk it does not have). ``rid`` numbers a sampler's requests, so a late answer to an earlier
+one is told apart; every int is in [0, 2**53), ``detail`` at most 200 characters, no header
+field is unknown, and only a chunk has a third frame.
+
 The fields a group carries, their dtypes, widths and which samplers send them, are the field
 catalogue's (``creditrl.batch.FIELDS``: ``weight_version``, ``staleness``, ``episode_id`` and
 ``sampler_id`` among them), which ``validation`` checks every group against.

@@ -188,9 +188,7 @@ class WeightServer:
         header, rid = message.header, message.header["rid"]
         try:
             if message.kind == "manifest_request":
-                version = header["version"]
-                newest = self.publisher.newest()
-                version = newest if version is None else version
+                version, newest = header["version"], self.publisher.newest()
                 manifest = None if version is None else self.publisher.manifest(version)
                 reply = weight_message("manifest", rid=rid, newest=newest, manifest=manifest)
             else:
@@ -313,19 +311,13 @@ class WeightClient:
         self.sock.connect(address)
         self._lock = threading.Lock()
         self._rid = 0
-        self._manifest: tuple[int, dict[str, Any]] | None = None
 
     def newest(self) -> int | None:
-        """The learner's newest published version (its manifest kept for ``manifest``)."""
-        reply = self._ask("manifest_request", version=None)
-        newest, manifest = reply.header["newest"], reply.header["manifest"]
-        self._manifest = None if newest is None or manifest is None else (newest, manifest)
-        return newest
+        """The learner's newest published version (a short answer: asked at every refresh)."""
+        return self._ask("manifest_request", version=None).header["newest"]
 
     def manifest(self, version: int) -> dict[str, Any]:
         """Version ``version``'s manifest fields (checked by the ``WireChannel``)."""
-        if self._manifest is not None and self._manifest[0] == version:
-            return self._manifest[1]
         manifest = self._ask("manifest_request", version=version).header["manifest"]
         if manifest is None:
             raise WireError(f"the learner sent no manifest for version {version}", "version")
