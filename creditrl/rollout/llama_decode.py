@@ -3,14 +3,21 @@
 Transformers' forward spends a fifth of a small-batch CPU decode step on small ops and Python
 around the matrix products (RMSNorm, rotary, mask building, cache and output bookkeeping).
 ``LlamaDecoder.step`` computes the same function with fused ``rms_norm``, one product for q/k/v
-and one for gate/up (weights concatenated once per ``generate`` call, since the actor's
-weights change between calls), an additive mask built once a step, and the weight-major
-product of ``cpu_kernels``; its logits are within 5e-5 of transformers' (``tests/test_rollout.py``
-pins samples and log-probs). It writes into the engine's ``PreallocatedLayer`` cache, so
-prefill, row removal and the agent's kept KV are unchanged. The query is made contiguous
-before attention (a row-strided one sends SDPA to its slower math kernel), and the LM head runs
-in blocks of ``HEAD_CHUNK_ROWS`` weight rows. The figures behind each choice, and the command
-that gives them: ``benchmarks/results/rollout_kernels.md``.
+and one for gate/up, an additive mask built once a step, rotary cos/sin read from a table
+computed once (q and k rotated together) and the weight-major product of ``cpu_kernels``,
+whose (out, m) result is already the next product's x^T for gate/up. Its logits equal
+transformers' to float rounding (``tests/test_rollout.py`` pins samples and log-probs). It
+writes into the engine's ``PreallocatedLayer`` cache, so prefill, row removal and the agent's
+kept KV are unchanged. The query is made contiguous before attention (a row-strided one sends
+SDPA to its slower math kernel); the LM head runs in blocks of ``HEAD_CHUNK_ROWS`` weight rows
+and returns row-major logits. The figures behind each choice, and the command that gives
+them: ``benchmarks/results/rollout_kernels.md``.
+
+The concatenated q/k/v and gate/up weights are built with the decoder, once per ``generate``
+call: the actor's weights change between calls, and a fused AdamW step changes them without
+moving their version counters, so no cheaper check would see it
+(``tests/test_llama_decode.py``). A LoRA actor is decoded from its merged copy
+(``rollout.merged_copy``), refreshed before the decoder is built, so the same holds for it.
 
 Used only where it is exactly the model's function: ``type(model) is LlamaForCausalLM`` (a
 subclass may change ``forward``), float32 on CPU, sdpa or eager attention, SiLU MLP, no
@@ -29,36 +36,49 @@ from creditrl.rollout.cpu_kernels import WEIGHT_MAJOR_ROWS, weight_major_product
 __all__ = ["LlamaDecoder"]
 
 HEAD_CHUNK_ROWS = 2048  # LM-head weight rows per product (0: one product)
+# rotary types whose values depend on the position only (a table is computed once)
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _project_head(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``weight_major_product`` in blocks of ``HEAD_CHUNK_ROWS`` weight rows, written into one
-    output."""
+    """``x @ weight^T`` (m, V), row-major: ``weight_major_product`` in blocks of
+    ``HEAD_CHUNK_ROWS`` weight rows written into one (V, m) output, then transposed once (the
+    sampler reads row-strided logits ~4x slower than the copy costs)."""
     if not HEAD_CHUNK_ROWS or x.shape[0] > WEIGHT_MAJOR_ROWS:
-        return weight_major_product(weight, x)
+        return weight_major_product(weight, x).contiguous()
     out = x.new_empty((weight.shape[0], x.shape[0]))
     for block, rows in zip(weight.split(HEAD_CHUNK_ROWS), out.split(HEAD_CHUNK_ROWS), strict=True):
         torch.mm(block, x.t(), out=rows)
-    return out.t()
+    return out.t().contiguous()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' rotary embedding, the same values) for
+    ``x`` (m, heads, dim) and ``cos``/``signed_sin`` (m, 1, dim), ``signed_sin`` the sine with
+    its first half negated: ``rotate_half(x) * sin == cat(x2, x1) * signed_sin`` exactly."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return swapped.mul_(signed_sin).add_(x * cos)
 
 
 class LlamaDecoder:
     """One-token decode steps of a plain ``LlamaForCausalLM`` (see the module docstring)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        config = model.config
-        self.model = model
+        config, inner = model.config, model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (getattr(config, "rope_parameters", None) or {}).get("rope_type") in _STATIC_ROPE:
+            self._table = self._rotary_table(config.max_position_embeddings)
         self.layers = []
-        for layer in model.model.layers:
+        for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 (
@@ -93,6 +113,26 @@ class LlamaDecoder:
         )
         return cls(model) if plain else None
 
+    def _rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sine (``_rotate``) of positions 0..``length`` - 1, (length, dim):
+        the rotary module's own values, computed once."""
+        positions = torch.arange(length, device=self.embed.device)[None]
+        cos, sin = self.rotary(self.embed[:1], positions)
+        half = sin.shape[-1] // 2
+        return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos and the signed sine (m, 1, dim) at ``positions`` (m,): read from the table of
+        a static rotary embedding (grown when a position passes its end), else computed."""
+        if self._table is None:
+            cos, sin = self.rotary(x, positions[:, None])
+            half = sin.shape[-1] // 2
+            return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        if int(positions.max()) >= len(self._table[0]):
+            self._table = self._rotary_table(2 * int(positions.max()) + 1)
+        cos, signed_sin = self._table
+        return cos[positions][:, None], signed_sin[positions][:, None]
+
     def step(
         self,
         tokens: torch.Tensor,
@@ -102,33 +142,28 @@ class LlamaDecoder:
     ) -> torch.Tensor:
         """Next-token logits (m, V) for ``tokens`` (m, 1) at ``positions`` (m, 1), attending to
         the cached keys plus themselves under ``attention_mask`` (m, cached + 1) (1: real)."""
-        inner = self.model.model
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        q_width, kv_width = heads * dim, kv_heads * dim
-        x = inner.embed_tokens(tokens).view(rows, -1)
-        cos, sin = inner.rotary_emb(x, positions)
-        cos, sin = cos[:, None], sin[:, None]  # (m, 1, 1, dim)
+        rotated, width = heads + kv_heads, self.embed.shape[1]
+        x = F.embedding(tokens.view(rows), self.embed)
+        cos, signed_sin = self._rotation(x, positions.view(rows))
         # additive, built once a step (a boolean mask is converted again in every layer)
         mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
         for (norm_in, qkv, out, norm_post, gate_up, down), layer in zip(
             self.layers, cache.layers, strict=True
         ):
-            # contiguous: the weight-major product is row-strided, and a query whose last
-            # dimension is strided sends SDPA to its math kernel (~1.4x slower here)
-            projected = weight_major_product(qkv, F.rms_norm(x, (x.shape[-1],), norm_in, self.eps))
-            projected = projected.contiguous()
-            q = projected[:, :q_width].reshape(rows, heads, 1, dim)
-            k = projected[:, q_width : q_width + kv_width].reshape(rows, kv_heads, 1, dim)
-            v = projected[:, q_width + kv_width :].reshape(rows, kv_heads, 1, dim)
-            keys, values = layer.update(_rotate(k, cos, sin), v)
-            grouped = _rotate(q, cos, sin).reshape(rows, kv_heads, heads // kv_heads, dim)
+            # W @ x^T: (out, m); made row-major once for q, k and v (a query whose last
+            # dimension is strided sends SDPA to its math kernel, ~1.4x slower here)
+            projected = torch.mm(qkv, F.rms_norm(x, (width,), norm_in, self.eps).t())
+            projected = projected.t().contiguous()
+            q_and_k = projected[:, : rotated * dim].view(rows, rotated, dim)
+            q_and_k = _rotate(q_and_k, cos, signed_sin)
+            grouped = q_and_k[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
+            v = projected[:, rotated * dim :].view(rows, kv_heads, 1, dim)
+            keys, values = layer.update(q_and_k[:, heads:, None], v)
             attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            x = x + weight_major_product(out, attended.reshape(rows, q_width))
-            hidden = weight_major_product(
-                gate_up, F.rms_norm(x, (x.shape[-1],), norm_post, self.eps)
-            )
-            half = hidden.shape[-1] // 2
-            x = x + weight_major_product(down, F.silu(hidden[:, :half]) * hidden[:, half:])
-        x = F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.eps)
-        return _project_head(self.model.lm_head.weight, x)
+            x = x + torch.mm(out, attended.view(rows, heads * dim).t()).t()
+            hidden = torch.mm(gate_up, F.rms_norm(x, (width,), norm_post, self.eps).t())
+            gate, up = hidden.chunk(2)  # (intermediate, m) each, row-major: down's x^T
+            x = x + torch.mm(down, F.silu(gate, inplace=True).mul_(up)).t()
+        return _project_head(self.head, F.rms_norm(x, (width,), self.norm, self.eps))

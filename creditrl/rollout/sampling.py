@@ -196,8 +196,10 @@ def sample_next_tokens(
         raise ValueError(f"sampling needs temperature > 0, got {temperature} (use greedy=True)")
     scaled = logits / temperature if temperature != 1.0 else logits
     filtered = filter_logits(scaled, top_k, top_p, min_p)
-    top = filtered.max(dim=-1, keepdim=True).values
-    weights = (filtered - top).exp()  # softmax(z') times its row's normaliser
+    # amax (values only) reads the row ~10x faster than max(dim); the exp runs in place: a
+    # fresh (N, V) result a step costs page faults (rollout_kernels.md)
+    top = filtered.amax(dim=-1, keepdim=True)
+    weights = (filtered - top).exp_()  # softmax(z') times its row's normaliser
     if uniforms is None:
         uniforms = torch.rand(len(logits), generator=generator, device=logits.device)
     tokens, totals = inverse_cdf_sample(weights, uniforms, with_totals=True)
