@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST = 64 << 10  # a request is a short JSON header
 _HEADER_SLACK = 1 << 20  # an answer's header beside its chunk
 CHUNK_BYTES = 8 << 20
+COUNTS = ("weights_requests", "weights_chunks_sent", "weights_bytes_sent", "weights_refused",
+          "weights_bad_requests", "weights_unsent")  # fmt: skip
 _MIB = 1 << 20
 
 
@@ -110,8 +112,11 @@ class WeightServer:
     requests from ``publisher`` on ``tcp://host:port`` (0: a free port). ``context``: the
     episodes' socket's, whose CURVE authenticator then admits the same samplers; None: its own
     (with an authenticator of its own for ``curve_keys_dir``'s ``authorized/``). ``counts``
-    (the learner's ``async/*`` counters, else its own): ``weights_requests``,
-    ``weights_chunks_sent``, ``weights_bytes_sent``, ``weights_refused_<reason>``."""
+    (the learner's ``async/*`` counters, else its own; its keys are made here, so the thread
+    only changes values while the learner reads them): ``weights_requests`` answered,
+    ``weights_chunks_sent``, ``weights_bytes_sent``, ``weights_refused`` (a version or chunk it
+    does not hold, answered so), ``weights_bad_requests`` (unreadable, unanswered; the reason
+    logged), ``weights_unsent`` (an answer to a full queue)."""
 
     def __init__(self, cfg: AsyncConfig, publisher: WirePublisher, port: int, *,
                  context: zmq.Context | None = None,
@@ -121,6 +126,8 @@ class WeightServer:
         self.context = zmq.Context() if context is None else context
         self.auth: ThreadAuthenticator | None = None
         self.counts: dict[str, int] = defaultdict(int) if counts is None else counts
+        for key in COUNTS:
+            self.counts.setdefault(key, 0)
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, cfg.hwm)
         self.sock.setsockopt(zmq.RCVHWM, cfg.hwm)
@@ -174,7 +181,7 @@ class WeightServer:
                 log.exception("weight server: socket error")
             except Exception:  # one bad request never stops the server
                 log.exception("weight server: failed on a request")
-                self.counts["weights_refused_error"] += 1
+                self.counts["weights_bad_requests"] += 1
 
     def _answer(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -182,8 +189,8 @@ class WeightServer:
             if message.kind not in WEIGHT_REQUESTS:
                 raise MessageError(f"the weight port answers {WEIGHT_REQUESTS}, not {message.kind}")
         except MessageError as e:
-            self.counts[f"weights_refused_{e.reason}"] += 1
-            log.warning("weight server: refused a request: %s", e)
+            self.counts["weights_bad_requests"] += 1
+            log.warning("weight server: refused a request (%s): %s", e.reason, e)
             return
         header, rid = message.header, message.header["rid"]
         try:
@@ -198,7 +205,7 @@ class WeightServer:
                 self.counts["weights_chunks_sent"] += 1
                 self.counts["weights_bytes_sent"] += len(data)
         except WireError as e:
-            self.counts[f"weights_refused_{e.reason}"] += 1
+            self.counts["weights_refused"] += 1
             reply = weight_message("weights_refused", rid=rid, reason=e.reason, detail=str(e)[:200])
         self.counts["weights_requests"] += 1
         try:
