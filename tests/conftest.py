@@ -13,7 +13,13 @@ from creditrl.workers import placement
 
 # Files that start a local Ray cluster: two at once would find each other's (Ray connects to an
 # existing local cluster), so they run one after another in one process.
-RAY_FILES = {"test_distributed.py", "test_loopback.py", "test_ray_cluster.py", "test_scale_out.py"}
+RAY_FILES = {
+    "test_distributed.py",
+    "test_loopback.py",
+    "test_ray_cluster.py",
+    "test_ray_sampler_restart.py",
+    "test_scale_out.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

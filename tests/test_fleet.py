@@ -2,6 +2,7 @@
 ``started`` id of a sampler's hello, the socket telling a gone sampler from a busy one, and
 an async run where a sampler dies, another joins mid-run and the first comes back."""
 
+import io
 import json
 import os
 import signal
@@ -11,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from creditrl.asynchronous.fleet import PER_SAMPLER_METRICS, Fleet
-from creditrl.asynchronous.launcher import free_port
+from creditrl.asynchronous.fleet import PER_SAMPLER_METRICS, Fleet, SamplerRestarts
+from creditrl.asynchronous.launcher import free_port, start_child, supervise
 from creditrl.asynchronous.messages import PROTOCOL, MessageError, decode, encode
 from creditrl.asynchronous.transport import LearnerSocket, SamplerSocket
 from creditrl.config.schema import AsyncConfig
@@ -223,3 +225,80 @@ def test_samplers_come_and_go_and_the_learner_goes_on(tmp_path: Path) -> None:
         trained += [json.loads(line)["episode_id"] for line in path.read_text().splitlines()]
     assert len(trained) == len(set(trained)) == 10 * 2
     assert any(e.startswith("s1:") for e in trained)  # the sampler that joined was trained
+
+
+# ---- the launchers' restarts -----------------------------------------------------------------
+
+
+def test_sampler_restarts_are_bounded_per_sampler_and_said() -> None:
+    restarts = SamplerRestarts(2)
+    what = "was killed by SIGKILL"
+    for n in (1, 2):
+        assert restarts.decide(0, "sampler 0 (s0)", what, others=0) == (
+            "restart",
+            f"async: sampler 0 (s0) was killed by SIGKILL; restarting it ({n} of 2, "
+            "asynchronous.max_sampler_restarts)",
+        )
+    assert restarts.decide(1, "sampler 1 (s1)", what, others=1)[0] == "restart"  # its own 2
+    assert restarts.decide(0, "sampler 0 (s0)", what, others=0) == ("stop", "")
+    action, line = restarts.decide(0, "sampler 0 (s0)", what, others=1)
+    assert action == "leave" and restarts.left_out == {0} and restarts.total == 3
+    assert line.endswith("its 2 restart(s) are used (asynchronous.max_sampler_restarts): the "
+                         "run goes on with 1 other sampler(s)")  # fmt: skip
+    assert SamplerRestarts(0).decide(0, "s", what, others=0) == ("stop", "")
+
+
+def _fake(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+KILL_SELF = _fake("import os, time; time.sleep(0.3); os.kill(os.getpid(), 9)")
+SLEEP = _fake("import time; time.sleep(60)")
+
+
+def _supervise_restarting(tmp_path: Path, samplers: list[list[str]], then: list[str], limit: int):
+    """supervise() over a learner that ends after its samplers died (it waits for a file
+    the restarted ones write) and ``samplers``; a restart starts ``then``."""
+    logs = tmp_path / "logs"
+    quiet = (io.BytesIO(), io.BytesIO())
+    flag = tmp_path / "flag"
+    wait = f"import pathlib, time\nwhile not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)"
+    learner = start_child("learner", 0, _fake(wait), logs, echo=quiet)
+    children = [start_child("sampler", i, cmd, logs, echo=quiet) for i, cmd in enumerate(samplers)]
+    started = []
+
+    def restart(child):
+        new = start_child("sampler", child.index, then, logs, echo=quiet)
+        started.append(child.index)
+        flag.touch()
+        return new
+
+    out = io.StringIO()
+    code = supervise([learner], children, Console(file=out, width=300), grace_s=1,
+                     poll_s=0.05, restart=restart, max_restarts=limit)  # fmt: skip
+    return code, out.getvalue(), started, [learner, *children]
+
+
+def test_the_process_launcher_restarts_a_killed_sampler(tmp_path: Path) -> None:
+    """A sampler killed by SIGKILL is started again (said in one line) and the run ends with
+    the learner, code 0; with no restart left, the last sampler's death ends the run as
+    before (137), and one that dies while another runs is left out, the run going on."""
+    code, text, started, _ = _supervise_restarting(tmp_path / "a", [KILL_SELF], _fake("pass"), 3)
+    assert code == 0 and started == [0], text
+    assert "async: sampler 0 (s0) was killed by SIGKILL; restarting it (1 of 3, " in text
+    assert "stopping the run" not in text
+
+    code, text, started, children = _supervise_restarting(tmp_path / "b", [KILL_SELF], SLEEP, 0)
+    assert code == 137 and started == [] and "sampler 0 (s0) was killed by SIGKILL" in text
+    assert "stopping the run" in text and children[0].proc.returncode == -15
+
+    touch = _fake(f"import pathlib; pathlib.Path({str(tmp_path / 'c' / 'flag')!r}).touch()")
+    slow_touch = _fake("import time; time.sleep(1.5)\n" + touch[-1])
+    code, text, started, _ = _supervise_restarting(tmp_path / "c", [KILL_SELF, slow_touch],
+                                                   SLEEP, 0)  # fmt: skip
+    assert code == 0 and started == [], text
+    assert (
+        "async: sampler 0 (s0) was killed by SIGKILL; its 0 restart(s) are used "
+        "(asynchronous.max_sampler_restarts): the run goes on with 1 other sampler(s)"
+    ) in text
+    assert "stopping the run" not in text

@@ -9,6 +9,11 @@ gone (``mark_gone``: the learner's socket answers that it routes to no such peer
 sampler that is busy sampling and silent stays alive, its silence shows in ``last_heard_s``.
 
 Counts are since the learner (process) started; the clock is ``time.monotonic`` unless given.
+
+The launchers' side (``SamplerRestarts``): ``creditrl async`` restarts a sampler that dies (a
+process killed by a signal other than SIGINT/SIGTERM, a Ray actor lost), each at most
+``asynchronous.max_sampler_restarts`` times, said in one line each time; one that dies once
+more is left out while another sampler runs, and ends the run when it was the last.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PER_SAMPLER_METRICS", "Fleet", "Member"]
+__all__ = ["PER_SAMPLER_METRICS", "Fleet", "Member", "SamplerRestarts"]
 
 PER_SAMPLER_METRICS = 64  # samplers (by id, sorted) whose own fleet/<id>/* metrics are logged
 
@@ -114,3 +119,37 @@ class Fleet:
             out[f"fleet/{sampler_id}/last_heard_s"] = self.silent_s(sampler_id)
             out[f"fleet/{sampler_id}/groups_delivered"] = float(m.groups)
         return out
+
+
+class SamplerRestarts:
+    """A launcher's restarts of its samplers (module docstring): ``limit`` per sampler."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used: dict[int, int] = {}  # sampler index: restarts so far
+        self.left_out: set[int] = set()  # died with no restart left, while others ran
+
+    def decide(self, index: int, name: str, what: str, others: int) -> tuple[str, str]:
+        """For sampler ``index`` (``name``) that ``what`` (``was killed by SIGKILL``, ``died
+        (...)``) while ``others`` other samplers run: ``("restart", line)``, ``("leave",
+        line)`` or ``("stop", "")`` (the caller reports it and ends the run)."""
+        used = self.used.get(index, 0)
+        key = "asynchronous.max_sampler_restarts"
+        if used < self.limit:
+            self.used[index] = used + 1
+            return (
+                "restart",
+                f"async: {name} {what}; restarting it ({used + 1} of {self.limit}, {key})",
+            )
+        if others > 0:
+            self.left_out.add(index)
+            return "leave", (
+                f"async: {name} {what}; its {self.limit} restart(s) are used ({key}): the run "
+                f"goes on with {others} other sampler(s)"
+            )
+        return "stop", ""
+
+    @property
+    def total(self) -> int:
+        """Restarts so far, over every sampler."""
+        return sum(self.used.values())

@@ -8,7 +8,10 @@ ends when learner rank 0 finishes (it has told the samplers to stop; stragglers 
 after ``grace_s``), and within a poll interval of any child (learner rank or sampler) exiting
 with an error, at start-up or later: the launcher names its role, index and exit code, prints
 the last lines of its output, terminates the others (each by its own pid) and exits non-zero.
-Ctrl-C terminates every child. ``asynchronous.launcher=ray`` starts them as Ray actors
+A sampler killed by a signal other than SIGINT/SIGTERM is restarted instead, with the same
+command, at most ``asynchronous.max_sampler_restarts`` times each (``fleet.SamplerRestarts``:
+one line each time; its outbox resends what was never acknowledged). Ctrl-C terminates every
+child. ``asynchronous.launcher=ray`` starts them as Ray actors
 instead (``creditrl.asynchronous.ray_launch``).
 """
 
@@ -21,11 +24,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from creditrl.asynchronous.fleet import SamplerRestarts
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.config import Config
@@ -218,19 +222,55 @@ def _report(child: Child, console: Any) -> int:
     return code
 
 
+def _died(child: Child) -> bool:
+    """Killed by a signal other than SIGINT and SIGTERM (which ask it to stop)."""
+    code = child.proc.poll()
+    return code is not None and code < 0 and -code not in (signal.SIGINT, signal.SIGTERM)
+
+
+def _restart_dead(
+    samplers: list[Child],
+    restarts: SamplerRestarts,
+    restart: Callable[[Child], Child],
+    console: Any,
+) -> None:
+    """Restart (or leave out, while others run) each sampler that died (``_died``); one that
+    may not be restarted is left to the caller, which ends the run."""
+    for k, child in enumerate(samplers):
+        if child.index in restarts.left_out or not _died(child):
+            continue
+        others = sum(c.proc.poll() is None for c in samplers)
+        what = _exit_status(int(child.proc.returncode))[1]
+        action, line = restarts.decide(child.index, child.name, what, others)
+        if action != "stop":
+            console.print(as_text(line), soft_wrap=True)
+        if action == "restart":
+            samplers[k] = restart(child)
+
+
 def supervise(
     learners: Sequence[Child],
     samplers: Sequence[Child],
     console: Any,
     grace_s: float = 60.0,
     poll_s: float = 0.2,
+    restart: Callable[[Child], Child] | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Wait for learner rank 0; end the run as soon as any child exits with an error (see the
-    module docstring). Returns 0, the failed child's exit code, or 128 + signal number."""
+    module docstring), but with ``restart`` (a new child for a sampler's) restart samplers
+    that die, ``max_restarts`` times each. Returns 0, the failed child's exit code, or 128 +
+    signal number."""
+    samplers = list(samplers)
+    restarts = SamplerRestarts(max_restarts if restart is not None else 0)
     everyone = [*learners, *samplers]
     try:
         while True:
-            failed = [c for c in everyone if c.proc.poll() not in (None, 0)]
+            if restart is not None:
+                _restart_dead(samplers, restarts, restart, console)
+                everyone = [*learners, *samplers]
+            left_out = [c for c in samplers if c.index in restarts.left_out]
+            failed = [c for c in everyone if c.proc.poll() not in (None, 0) and c not in left_out]
             if failed:
                 code = _report(failed[0], console)
                 _terminate(everyone, 10.0)
@@ -277,4 +317,9 @@ def launch(
             for r, cmd in enumerate(learner_cmds)
         ]
         samplers = [start_child("sampler", i, cmd, log_dir) for i, cmd in enumerate(sampler_cmds)]
-        return supervise(learners, samplers, console, grace_s)
+
+        def restart(child: Child) -> Child:
+            return start_child("sampler", child.index, sampler_cmds[child.index], log_dir)
+
+        limit = cfg.asynchronous.max_sampler_restarts
+        return supervise(learners, samplers, console, grace_s, restart=restart, max_restarts=limit)

@@ -18,7 +18,14 @@ the launcher's directory when its node has it.
 Supervision (``supervise_actors``), as the process launcher: the run ends when learner rank 0
 finishes (the samplers it told to stop get ``grace_s``, then are killed), and as soon as any
 actor raises, exits non-zero or dies: the launcher names its role and index, prints the error
-and the last lines, kills the others and returns non-zero.
+and the last lines, kills the others and returns non-zero. A sampler actor that dies (its
+process killed or lost with its node: ``RayActorError``) is restarted instead, at most
+``asynchronous.max_sampler_restarts`` times each, said in one line (``fleet.SamplerRestarts``):
+the dead actor is killed for good and a new one starts in the same bundle of the placement
+group (the same node while that node lives, so the same outbox, which resends what was never
+acknowledged; the learner answers ``duplicate`` to what it consumed already). One actor per
+sampler id at any time: the new one starts only once Ray reports the old one dead. A sampler
+that raises or answers an error is not restarted (it would fail the same way).
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from creditrl.asynchronous.fleet import SamplerRestarts
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
 from creditrl.asynchronous.transport import endpoint
@@ -130,6 +138,7 @@ class ActorRun:
     actor: Any
     ref: Any = None
     done: bool = False
+    slot: int = 0  # its bundle in the placement group
 
     @property
     def name(self) -> str:
@@ -156,7 +165,8 @@ def learner_host(cfg: Config, node_ip: str, named_cluster: bool) -> str:
 
 
 def _outcome(run: ActorRun) -> tuple[int, str, list[str]]:
-    """(exit code, what happened, last lines) of a finished ``run`` call."""
+    """(exit code, what happened, last lines) of a finished ``run`` call; what happened to an
+    actor whose process died starts with ``died``."""
     import ray
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
@@ -166,7 +176,8 @@ def _outcome(run: ActorRun) -> tuple[int, str, list[str]]:
         lines = [str(line) for line in answer["lines"]][-TAIL_LINES:]
     except RayActorError as err:
         text = [line.strip() for line in str(err).splitlines() if line.strip()]
-        return 1, f"died ({type(err).__name__}: {text[0] if text else ''})", text[-TAIL_LINES:]
+        first = " ".join(text[0].split())[:200] if text else ""
+        return 1, f"died ({type(err).__name__}: {first})", text[-TAIL_LINES:]
     except RayTaskError as err:
         cause = getattr(err, "cause", None) or err
         lines = [line for line in str(err).splitlines() if line.strip()]
@@ -205,14 +216,19 @@ def supervise_actors(
     console: Any,
     grace_s: float = 60.0,
     poll_s: float = 0.5,
+    restart: Callable[[ActorRun], None] | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Wait for learner rank 0's ``run``; end the run as soon as any actor fails (see the module
-    docstring). Returns 0 or the failed actor's code (1 when it died or raised); 130 on Ctrl-C.
-    Every actor is killed before it returns."""
+    docstring), but with ``restart`` (which gives a sampler's run a new actor and ``run`` call)
+    restart sampler actors that die, ``max_restarts`` times each. Returns 0 or the failed
+    actor's code (1 when it died or raised); 130 on Ctrl-C. Every actor is killed before it
+    returns."""
     import ray
 
     everyone = [*learners, *samplers]
     pending = {run.ref: run for run in everyone if not run.done}
+    restarts = SamplerRestarts(max_restarts if restart is not None else 0)
     try:
         while not learners[0].done:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
@@ -220,6 +236,18 @@ def supervise_actors(
                 run = pending.pop(ref)
                 run.done = True
                 code, words, lines = _outcome(run)
+                if code != 0 and run.role == "sampler" and words.startswith("died"):
+                    others = sum(not other.done for other in samplers)
+                    action, line = restarts.decide(run.index, run.name, words, others)
+                    if action != "stop":
+                        console.print(as_text(line), soft_wrap=True, highlight=False)
+                    if action == "restart":
+                        _kill([run])  # for good: one actor per sampler id at a time
+                        restart(run)
+                        run.done = False
+                        pending[run.ref] = run
+                    if action != "stop":
+                        continue
                 if code != 0:
                     return _report(run, code, words, lines, console)
         if pending:
@@ -229,6 +257,14 @@ def supervise_actors(
         return 130
     finally:
         _kill(everyone)
+
+
+def _new_actor(cfg: Config, placement: Any, slot: int, role: str, index: int) -> Any:
+    """A new ``AsyncActor`` (``role`` ``index``) in bundle ``slot`` of ``placement``."""
+    import ray
+
+    options = actor_options(cfg.trainer.ray, placement, slot)
+    return ray.remote(AsyncActor).options(**options).remote(role, index, os.getcwd())
 
 
 def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRun]] | int:
@@ -253,15 +289,8 @@ def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRu
             highlight=False,
         )
         return 1
-    remote = ray.remote(AsyncActor)
     runs = [
-        ActorRun(
-            role,
-            index,
-            remote.options(**actor_options(ray_cfg, placement, slot)).remote(
-                role, index, os.getcwd()
-            ),
-        )
+        ActorRun(role, index, _new_actor(cfg, placement, slot, role, index), slot=slot)
         for slot, (role, index) in enumerate(roles)
     ]
     return placement, runs[: a.learners], runs[a.learners :]
@@ -339,7 +368,14 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
         cfg_json = json.dumps(to_dict(run_cfg))
         for run in everyone:
             run.ref = run.actor.run.remote(cfg_json)
-        return supervise_actors(learners, samplers, console, grace_s)
+
+        def restart(run: ActorRun) -> None:
+            run.actor = _new_actor(cfg, placement, run.slot, run.role, run.index)
+            run.ref = run.actor.run.remote(cfg_json)
+
+        limit = a.max_sampler_restarts
+        return supervise_actors(learners, samplers, console, grace_s, restart=restart,
+                                max_restarts=limit)  # fmt: skip
     finally:
         _kill(everyone)
         if placement is not None:

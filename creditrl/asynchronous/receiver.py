@@ -17,10 +17,11 @@ rejected meanwhile and why (or that none arrived).
 
 The fleet (``creditrl.asynchronous.fleet``): every message marks its sampler heard, a new group
 counts as delivered; a sampler that joins, restarts (a hello with a new ``started`` id) or
-comes back is said in one line; when the socket reports a dropped connection, every sampler
-alive is sent an empty acknowledgement and those no longer connected are marked gone (one
-line each). While no sampler is connected and a step waits for groups, the learner says so in
-one line; it stops after ``asynchronous.data_timeout_s`` as above.
+comes back is said in one line. A sampler is marked gone (one line) when an acknowledgement
+finds it no longer connected: after each step every sampler heard from gets one, and when the
+socket has reported a dropped connection and a step waits for groups, every sampler alive gets
+an empty one. While no sampler is connected and a step waits, the learner says so in one line;
+it stops after ``asynchronous.data_timeout_s`` as above.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class GroupReceiver:
         self.samplers: set[str] = set()
         self.fleet = Fleet()
         self.said_none_alive = False  # the line saying no sampler is connected, this wait
+        self.probe_due = False  # a connection dropped since the samplers were last probed
         self.incarnation = uuid.uuid4().hex
         self.socket: LearnerSocket | None = None
 
@@ -197,12 +199,23 @@ class GroupReceiver:
         if change:
             self.said_none_alive = False
 
-    def _probe(self) -> None:
-        """After the socket reported a dropped connection: an empty acknowledgement to every
-        sampler alive, which marks gone those no longer connected (``_ack``)."""
-        for sampler_id in self.fleet.alive():
-            if not self._ack(sampler_id, [], journal=False):
-                self.samplers.discard(sampler_id)
+    def _waiting(self, timeout: float) -> None:
+        """A second without a group: after a dropped connection, an empty acknowledgement to
+        every sampler alive (``_ack`` marks gone those no longer connected); then, when no
+        sampler is connected, say so once for this wait."""
+        if self.probe_due:
+            self.probe_due = False
+            for sampler_id in self.fleet.alive():
+                if not self._ack(sampler_id, [], journal=False):
+                    self.samplers.discard(sampler_id)
+        if self.fleet.members and not self.fleet.alive() and not self.said_none_alive:
+            self.said_none_alive = True
+            self._say(
+                f"no sampler connected ({self.fleet.describe_none_alive()}); waiting for one on "
+                f"{self.socket.address} with {len(self.buffer)} of {self.groups_per_step} groups "
+                f"buffered, for at most {timeout:.0f}s without a group "
+                "(asynchronous.data_timeout_s)"
+            )
 
     def _handle(self, sender: str, message: Message) -> int:
         """Act on one message that decoded; returns 1 for a group that passed every check."""
@@ -302,6 +315,8 @@ class GroupReceiver:
             valid_sender = True
         except MessageError:
             valid_sender = False
+        if valid_sender:
+            self._heard(sender)
         if seq is not None and valid_sender and not self.ledger.consumed(sender, seq):
             self.journal.record(self.step, sender, [(seq, "rejected", 0)])
             self.ledger.add(sender, seq)
@@ -361,7 +376,7 @@ class GroupReceiver:
                 "frame over %d bytes: asynchronous.max_message_mb)",
                 dropped, max_message_bytes(self.cfg),
             )  # fmt: skip
-            self._probe()
+            self.probe_due = True
         return groups
 
     def collect(self) -> list[BufferedGroup]:
@@ -378,14 +393,8 @@ class GroupReceiver:
                 rejected_then = self._rejected_by_reason()
             elif time.monotonic() - last_arrival > timeout:
                 raise NoEpisodesError(self._no_episodes(timeout, rejected_then))
-            elif self.fleet.members and not self.fleet.alive() and not self.said_none_alive:
-                self.said_none_alive = True
-                self._say(
-                    f"no sampler connected ({self.fleet.describe_none_alive()}); waiting for one "
-                    f"on {self.socket.address} with {len(self.buffer)} of "
-                    f"{self.groups_per_step} groups buffered, for at most "
-                    f"{timeout:.0f}s without a group (asynchronous.data_timeout_s)"
-                )
+            else:
+                self._waiting(timeout)
 
     def _rejected_by_reason(self) -> dict[str, int]:
         return {k[9:]: v for k, v in self.counters.items() if k.startswith("rejected/")}

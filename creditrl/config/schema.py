@@ -534,6 +534,8 @@ class AsyncConfig:
     """torch threads per learner rank; 0: trainer.num_threads."""
     launcher: str = field(default="processes", metadata=meta(choices=("processes", "ray")))
     """How creditrl async starts them: 'processes' or 'ray' (actors)."""
+    max_sampler_restarts: int = field(default=3, metadata=meta(range=AT_LEAST_0))
+    """Times creditrl async restarts each sampler that dies (killed; its Ray actor lost)."""
 
 
 @dataclass
