@@ -5,6 +5,7 @@ an async run where a sampler dies, another joins mid-run and the first comes bac
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from creditrl.asynchronous.delivery import DeliveryLedger, Outbox
 from creditrl.asynchronous.fleet import PER_SAMPLER_METRICS, Fleet, SamplerRestarts
 from creditrl.asynchronous.launcher import free_port, start_child, supervise
 from creditrl.asynchronous.messages import PROTOCOL, MessageError, decode, encode
@@ -71,6 +73,32 @@ def test_fleet_counts_joins_restarts_silence_and_deliveries() -> None:
     assert m["fleet/restarts"] == 3 and m["fleet/s0/restarts"] == 2 and m["fleet/s1/restarts"] == 1
     assert m["fleet/alive"] == 2 and m["fleet/s0/alive"] == 1 and m["fleet/known"] == 2
     assert m["fleet/groups_delivered"] == 4  # restarts keep the counts
+
+
+def test_a_new_process_without_the_outbox_numbers_past_what_the_learner_holds(
+    tmp_path: Path,
+) -> None:
+    """The welcome's next_seq: one past the highest seq consumed (the ledger) or delivered
+    (the fleet: groups buffered, not yet consumed); an outbox behind it numbers from there,
+    saved, and never moves back."""
+    ledger = DeliveryLedger()
+    assert ledger.next_seq("s0") == 0
+    for seq in (0, 1, 2, 7):
+        ledger.add("s0", seq)
+    assert ledger.below["s0"] == 3 and ledger.next_seq("s0") == 8
+    fleet = Fleet(Clock())
+    fleet.delivered("s0", 9)
+    fleet.delivered("s0", 4)
+    assert fleet.members["s0"].next_seq == 10 and fleet.members["s0"].groups == 2
+    box = Outbox(tmp_path, "s0")
+    assert box.next_seq == 0 and box.skip_to(10) and box.next_seq == 10
+    assert not box.skip_to(10) and not box.skip_to(3) and box.next_seq == 10
+    assert Outbox(tmp_path, "s0").next_seq == 10  # saved
+    welcome = {"incarnation": "abc", "weight_version": 3, "queued": 0}
+    assert decode(encode("welcome", {**welcome, "next_seq": 10})).header["next_seq"] == 10
+    for bad in (-1, 2**53, "10", 1.5, True, None):
+        with pytest.raises(MessageError, match="'next_seq' must be an int"):
+            decode(encode("welcome", {**welcome, "next_seq": bad}))
 
 
 def test_fleet_metrics_name_at_most_64_samplers_and_count_all() -> None:
@@ -162,8 +190,10 @@ def test_samplers_come_and_go_and_the_learner_goes_on(tmp_path: Path) -> None:
     """Learner + s0; s0 is killed after step 2: the learner says it is gone, trains what it
     holds, then says in one line that no sampler is connected and waits. s1 (never part of
     the run) starts then: welcomed, its groups trained. Two steps later s1 is killed too, and
-    once the learner says it waits again s0 starts again: a restart (fleet/restarts 1) that
-    resends its outbox. The run ends at step 10, and the fleet metrics count them all."""
+    once the learner says it waits again s0 starts again without its outbox (a new machine): a
+    restart (fleet/restarts 1) that the learner's welcome tells where to number its groups
+    from, so none is answered duplicate. The run ends at step 10, and the fleet metrics count
+    them all."""
     out = tmp_path / "run"
     log = tmp_path / "processes.log"
     args = [
@@ -192,6 +222,7 @@ def test_samplers_come_and_go_and_the_learner_goes_on(tmp_path: Path) -> None:
         joined.wait()
         procs.remove(joined)
         _wait_for(lambda: _waiting(log) == 2, procs, log)
+        shutil.rmtree(out / "samplers" / "s0")  # it comes back on a new machine
         again = _start("sampler", args, log, "--index", "0")
         procs.append(again)
         assert learner.wait(timeout=300) == 0, log.read_text()[-3000:]
@@ -210,6 +241,8 @@ def test_samplers_come_and_go_and_the_learner_goes_on(tmp_path: Path) -> None:
     assert "(s1 last heard " in waiting[1] and ", s0 last heard " in waiting[1]
     assert "learner: sampler s1 joined; 1 sampler(s) connected (s1)" in text, text[-3000:]
     assert "learner: sampler s0 restarted (restart 1 seen)" in text, text[-3000:]
+    assert "s0: the learner holds groups of s0 up to seq " in text, text[-3000:]
+    assert "that this outbox never held (another process's); numbering new groups from" in text
     metrics = _metrics(out)
     assert sorted(metrics) == list(range(1, 11))
     assert metrics[waited_at + 1]["fleet/alive"] == 1  # s1 alone
@@ -217,6 +250,7 @@ def test_samplers_come_and_go_and_the_learner_goes_on(tmp_path: Path) -> None:
     assert last["fleet/known"] == 2 and last["fleet/restarts"] == 1 == last["fleet/s0/restarts"]
     assert last["fleet/s1/restarts"] == 0 and last["fleet/s1/alive"] == 0
     assert last["fleet/alive"] == 1 == last["fleet/s0/alive"]
+    assert last.get("async/duplicate_groups", 0) == 0  # the new s0 reused no consumed seq
     delivered = last["fleet/s0/groups_delivered"] + last["fleet/s1/groups_delivered"]
     assert last["fleet/groups_delivered"] == delivered == last["async/received_groups"]
     assert last["fleet/s1/groups_delivered"] >= 1 and last["fleet/last_heard_s"] >= 0

@@ -48,6 +48,11 @@ class DeliveryLedger:
             below += 1
         self.below[sampler_id] = below
 
+    def next_seq(self, sampler_id: str) -> int:
+        """One past the highest seq of ``sampler_id`` consumed (0: none)."""
+        extra = self.extra.get(sampler_id, ())
+        return max(self.below.get(sampler_id, 0), max(extra, default=-1) + 1)
+
     def count(self, sampler_id: str) -> int:
         """Number of groups of ``sampler_id`` consumed."""
         return self.below.get(sampler_id, 0) + len(self.extra.get(sampler_id, ()))
@@ -186,11 +191,21 @@ class Outbox:
         shutil.rmtree(doomed)
         return True
 
+    def skip_to(self, seq: int) -> bool:
+        """Number new groups from ``seq`` when that is past ``next_seq`` (the learner consumed
+        groups of this sampler id that this outbox never held: another process's, whose outbox
+        is gone); saved at once. True if it moved."""
+        if seq <= self.next_seq:
+            return False
+        self.next_seq = int(seq)
+        self.save_state(self.data_state)
+        return True
+
     def acknowledged(self) -> list[dict[str, Any]]:
         """Every acknowledgement received so far (``acks.jsonl``)."""
         return _read_lines(self.acks_path)
 
-    def save_state(self, data_state: dict[str, Any]) -> None:
+    def save_state(self, data_state: dict[str, Any] | None) -> None:
         """Persist the sequence counter and the data sampler's position."""
         self.data_state = data_state
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".state.", suffix=".tmp")

@@ -37,6 +37,7 @@ class Member:
     alive: bool = True
     restarts: int = 0  # hellos with a new ``started`` id after the first one
     groups: int = 0  # groups delivered: new groups that passed every check
+    next_seq: int = 0  # one past the highest seq of the groups delivered
 
 
 class Fleet:
@@ -64,10 +65,12 @@ class Fleet:
         member.alive, member.last_heard = True, now
         return change
 
-    def delivered(self, sampler_id: str) -> None:
-        """One new group of ``sampler_id`` passed every check."""
+    def delivered(self, sampler_id: str, seq: int = 0) -> None:
+        """New group ``seq`` of ``sampler_id`` passed every check."""
         self.heard(sampler_id)
-        self.members[sampler_id].groups += 1
+        member = self.members[sampler_id]
+        member.groups += 1
+        member.next_seq = max(member.next_seq, int(seq) + 1)
 
     def mark_gone(self, sampler_id: str) -> bool:
         """A send found ``sampler_id``'s connection gone; True if it was alive until now."""

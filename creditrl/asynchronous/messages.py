@@ -16,7 +16,10 @@ with the same care: ``weight_version`` and ``queued`` ints in [0, 2**53), ``inca
 short id; a message that fails is logged and skipped. ``seq`` numbers a sampler's groups 0, 1,
 2, ...; the episode ids of group ``seq`` of sampler ``s`` are ``f"{s}:{seq}:{k}"`` for its k-th
 answer. ``started`` is a short id the sampler's process draws when it starts (a new one tells
-the learner the sampler restarted, ``creditrl.asynchronous.fleet``). A ``rejected``
+the learner the sampler restarted, ``creditrl.asynchronous.fleet``). A welcome may carry
+``next_seq``, one past the highest seq of that sampler id the learner holds or consumed: a
+sampler whose outbox is behind it (a new process without the old one's outbox) numbers its
+new groups from there (``Outbox.skip_to``). A ``rejected``
 acknowledgement names its ``reason`` (``validation.REASONS``) and has ``seq`` null when the
 message carried no readable one. ``disconnected`` tells a sampler that the learner ignores it
 from now on (too many rejected messages).
@@ -222,10 +225,10 @@ def _check_ack(header: dict[str, Any]) -> None:
 
 
 def _check_learner_header(header: dict[str, Any]) -> None:
-    """The fields of a welcome or ack a sampler paces itself by: ``weight_version`` and
-    ``queued`` ints in [0, 2**53), ``incarnation`` a short id. MessageError (reason
+    """The fields of a welcome or ack a sampler paces itself by: ``weight_version``,
+    ``queued`` and ``next_seq`` ints in [0, 2**53), ``incarnation`` a short id. MessageError (reason
     ``protocol``: a learner's kind, which a learner receiving it refuses as such) otherwise."""
-    for key in ("weight_version", "queued"):
+    for key in ("weight_version", "queued", "next_seq"):
         if (key in header or key == "weight_version") and not _is_int(header.get(key)):
             raise MessageError(
                 f"header field {key!r} must be an int in [0, 2**53), got {header.get(key)!r:.80}"

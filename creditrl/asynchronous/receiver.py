@@ -226,7 +226,9 @@ class GroupReceiver:
         if message.kind == "hello":
             self.samplers.add(sender)
             header = {"incarnation": self.incarnation, "weight_version": self.version,
-                      "queued": self.buffer.held_for_others(sender)}  # fmt: skip
+                      "queued": self.buffer.held_for_others(sender),
+                      "next_seq": max(self.ledger.next_seq(sender),
+                                      self.fleet.members[sender].next_seq)}  # fmt: skip
             self.socket.send(sender, encode("welcome", header))
             return 0
         if message.kind != "episodes":
@@ -257,7 +259,7 @@ class GroupReceiver:
             return 1
         if self.buffer.drop and self.buffer.is_stale(group, self.version):
             self.counters["received_groups"] += 1
-            self.fleet.delivered(sender)
+            self.fleet.delivered(sender, seq)
             self._drop_stale([group])
             return 1
         if self.buffer.nbytes + group.nbytes > self.buffer_limit:
@@ -270,7 +272,7 @@ class GroupReceiver:
             self._reject(sender, err, strike=False)
             return 0
         self.counters["received_groups"] += 1
-        self.fleet.delivered(sender)
+        self.fleet.delivered(sender, seq)
         self.buffer.add(group)
         return 1
 

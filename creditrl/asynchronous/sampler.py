@@ -327,6 +327,13 @@ class Sampler:
         queued = message.header.get("queued")  # decode checked it: an int >= 0
         if isinstance(queued, int) and not isinstance(queued, bool):
             self.others_queued = queued
+        next_seq = message.header.get("next_seq", 0)  # decode checked it: an int >= 0
+        if message.kind == "welcome" and self.outbox.skip_to(next_seq):
+            log.warning(
+                "%s: the learner holds groups of %s up to seq %d that this outbox never held "
+                "(another process's); numbering new groups from %d",
+                self.sampler_id, self.sampler_id, next_seq - 1, next_seq,
+            )  # fmt: skip
         if incarnation is not None and incarnation != self.incarnation:
             restarted = self.incarnation is not None
             self.incarnation = incarnation
