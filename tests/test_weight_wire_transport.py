@@ -485,3 +485,39 @@ def test_a_resumed_learner_publishes_its_version_to_the_folder_and_the_wire(
     finally:
         channel.close()
         channel.lock.release()
+
+
+def test_a_weight_port_in_use_is_one_line_or_said_and_served_without(tmp_path: Path) -> None:
+    """weight_channel=wire: a weight port that cannot be bound is a one-line ConfigError naming
+    the key, and the weight folder is released; auto (on a host that is not loopback): said in
+    one line, and the learner publishes to the folder alone."""
+    from creditrl.asynchronous.weight_server import LearnerChannel
+
+    context = zmq.Context()
+    taken = context.socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://0.0.0.0")
+    try:
+        cfg = load_config(overrides=[
+            f"trainer.output_dir={tmp_path}", "asynchronous.weight_channel=wire",
+            f"asynchronous.weight_port={port}"])  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"^asynchronous.weight_port: cannot serve weights "
+                                              rf"on tcp://127.0.0.1:{port}: ") as err:  # fmt: skip
+            LearnerChannel(cfg, 5557, lambda line, **_: None, {})
+        assert "\n" not in str(err.value)
+        cfg = load_config(overrides=[
+            f"trainer.output_dir={tmp_path}", "asynchronous.host=0.0.0.0",
+            "asynchronous.allow_insecure=true", f"asynchronous.weight_port={port}"])  # fmt: skip
+        said: list[str] = []
+        channel = LearnerChannel(cfg, 5557, lambda line, **_: said.append(line), {})
+        assert channel.wire is None and channel.server is None
+        assert said == [f"learner: cannot serve weights on tcp://0.0.0.0:{port} (Address already "
+                        "in use); samplers that cannot read the weight folder get none "
+                        "(asynchronous.weight_port)"]  # fmt: skip
+        channel.publish(tiny(0), 1)
+        assert channel.newest() == 1
+        channel.close()
+        channel.lock.release()
+    finally:
+        taken.close()
+        context.term()

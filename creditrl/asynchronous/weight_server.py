@@ -246,13 +246,14 @@ class LearnerChannel(FolderChannel):
         try:
             self.server = WeightServer(a, wire_publisher(cfg), weight_port(a, port), counts=counts)
         except zmq.ZMQError as e:
+            why = os.strerror(e.errno)
             if a.weight_channel == "wire":
                 self.lock.release()
                 raise ConfigError(
-                    f"asynchronous.weight_port: cannot serve weights on {wanted}: {e.strerror}"
+                    f"asynchronous.weight_port: cannot serve weights on {wanted}: {why}"
                 ) from None
             say(
-                f"learner: cannot serve weights on {wanted} ({e.strerror}); samplers that "
+                f"learner: cannot serve weights on {wanted} ({why}); samplers that "
                 "cannot read the weight folder get none (asynchronous.weight_port)",
                 markup=False,
             )
