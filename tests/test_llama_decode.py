@@ -72,7 +72,7 @@ def test_the_lm_head_gives_row_major_logits(rows):
 
 
 def test_fused_weights_follow_an_optimizer_step_that_keeps_version_counters(model, tokenizer):
-    """The q/k/v and gate/up products run on concatenated copies of the weights: after a fused
+    """The q/k/v product runs on a concatenated copy of the weights: after a fused
     AdamW step (which writes the parameters without bumping their version counters) the next
     generate samples from the new weights, as the model's own forward does, not from a stale
     concatenation."""

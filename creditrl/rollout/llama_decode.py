@@ -2,10 +2,10 @@
 
 Transformers' forward spends a fifth of a small-batch CPU decode step on small ops and Python
 around the matrix products (RMSNorm, rotary, mask building, cache and output bookkeeping).
-``LlamaDecoder.step`` computes the same function with fused ``rms_norm``, one product for q/k/v
-and one for gate/up, an additive mask built once a step, rotary cos/sin read from a table
-computed once (q and k rotated together) and the weight-major product of ``cpu_kernels``,
-whose (out, m) result is already the next product's x^T for gate/up. Its logits equal
+``LlamaDecoder.step`` computes the same function with fused ``rms_norm``, one product for
+q/k/v, an additive mask built once a step, rotary cos/sin read from a table computed once (q
+and k rotated together) and the weight-major product of ``cpu_kernels``, whose (out, m) result
+is already the down projection's x^T after gate and up. Its logits equal
 transformers' to float rounding (``tests/test_rollout.py`` pins samples and log-probs). It
 writes into the engine's ``PreallocatedLayer`` cache, so prefill, row removal and the agent's
 kept KV are unchanged. The query is made contiguous before attention (a row-strided one sends
@@ -13,10 +13,11 @@ SDPA to its slower math kernel); the LM head runs in blocks of ``HEAD_CHUNK_ROWS
 and returns row-major logits. The figures behind each choice, and the command that gives
 them: ``benchmarks/results/rollout_kernels.md``.
 
-The concatenated q/k/v and gate/up weights are built with the decoder, once per ``generate``
-call: the actor's weights change between calls, and a fused AdamW step changes them without
-moving their version counters, so no cheaper check would see it
-(``tests/test_llama_decode.py``). A LoRA actor is decoded from its merged copy
+The concatenated q/k/v weights are built with the decoder, once per ``generate`` call: the
+actor's weights change between calls, and a fused AdamW step changes them without moving
+their version counters, so no cheaper check would see it (``tests/test_llama_decode.py``).
+Gate and up are two products: concatenating their weights (three quarters of the copy) cost
+more per call than the one product saved a step. A LoRA actor is decoded from its merged copy
 (``rollout.merged_copy``), refreshed before the decoder is built, so the same holds for it.
 
 Used only where it is exactly the model's function: ``type(model) is LlamaForCausalLM`` (a
@@ -86,7 +87,8 @@ class LlamaDecoder:
                     torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                     attn.o_proj.weight,
                     layer.post_attention_layernorm.weight,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.gate_proj.weight,
+                    mlp.up_proj.weight,
                     mlp.down_proj.weight,
                 )
             )
@@ -149,7 +151,7 @@ class LlamaDecoder:
         # additive, built once a step (a boolean mask is converted again in every layer)
         mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         mask = mask.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
-        for (norm_in, qkv, out, norm_post, gate_up, down), layer in zip(
+        for (norm_in, qkv, out, norm_post, gate, up, down), layer in zip(
             self.layers, cache.layers, strict=True
         ):
             # W @ x^T: (out, m); made row-major once for q, k and v (a query whose last
@@ -163,7 +165,7 @@ class LlamaDecoder:
             keys, values = layer.update(q_and_k[:, heads:, None], v)
             attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
             x = x + torch.mm(out, attended.view(rows, heads * dim).t()).t()
-            hidden = torch.mm(gate_up, F.rms_norm(x, (width,), norm_post, self.eps).t())
-            gate, up = hidden.chunk(2)  # (intermediate, m) each, row-major: down's x^T
-            x = x + torch.mm(down, F.silu(gate, inplace=True).mul_(up)).t()
+            normed = F.rms_norm(x, (width,), norm_post, self.eps).t()
+            gated = F.silu(torch.mm(gate, normed), inplace=True)  # (intermediate, m): x^T
+            x = x + torch.mm(down, gated.mul_(torch.mm(up, normed))).t()
         return _project_head(self.head, F.rms_norm(x, (width,), self.norm, self.eps))
