@@ -521,3 +521,21 @@ def test_a_weight_port_in_use_is_one_line_or_said_and_served_without(tmp_path: P
     finally:
         taken.close()
         context.term()
+
+
+def test_a_sampler_key_folder_missing_its_pair_is_one_line(tmp_path: Path) -> None:
+    """A sampler's key folder needs only server.key and sampler.key_secret; without the
+    secret, or with a file that is not a key, one line naming asynchronous.curve_keys_dir."""
+    keys = make_curve_keys(tmp_path / "keys")
+    only = tmp_path / "sampler_keys"
+    only.mkdir()
+    for name in ("server.key", "sampler.key_secret"):
+        (only / name).write_bytes((keys / name).read_bytes())
+    assert len(sampler_curve_keys(AsyncConfig(curve_keys_dir=str(only)))) == 3
+    (only / "sampler.key_secret").unlink()
+    with pytest.raises(ConfigError, match=r"^asynchronous.curve_keys_dir: CURVE key .*missing"):
+        sampler_curve_keys(AsyncConfig(curve_keys_dir=str(only)))
+    (only / "sampler.key_secret").write_text("not a key\n")
+    with pytest.raises(ConfigError, match=r"^asynchronous.curve_keys_dir: ") as err:
+        sampler_curve_keys(AsyncConfig(curve_keys_dir=str(only)))
+    assert "\n" not in str(err.value)

@@ -100,7 +100,7 @@ def sampler_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes, bytes] | None:
     """(public, secret, the learner's public) key a sampler connects with: from the
     environment (``CURVE_ENV``, both or neither; a one-line ConfigError naming a variable
     that is missing or not a key), else ``curve_keys_dir``'s ``sampler.key_secret`` and
-    ``server.key``; None: plain TCP."""
+    ``server.key`` (one missing or not a key file: a one-line ConfigError); None: plain TCP."""
     given = [name for name in CURVE_ENV if os.environ.get(name)]
     if given:
         missing = [name for name in CURVE_ENV if name not in given]
@@ -111,8 +111,11 @@ def sampler_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes, bytes] | None:
     if not cfg.curve_keys_dir:
         return None
     keys = Path(cfg.curve_keys_dir)
-    public, secret = _load_key(keys / "sampler.key_secret", secret=True)
-    server, _ = _load_key(keys / "server.key", secret=False)
+    try:
+        public, secret = _load_key(keys / "sampler.key_secret", secret=True)
+        server, _ = _load_key(keys / "server.key", secret=False)
+    except (OSError, ValueError) as e:  # missing, unreadable, not a key file: one line
+        raise ConfigError(f"asynchronous.curve_keys_dir: {' '.join(str(e).split())}") from None
     return public, secret, server
 
 
