@@ -1,7 +1,11 @@
 """One model the Tinker service holds: a base model with LoRA adapters, its tokenizer, and
 AdamW over the adapters; every computation is one of creditrl's.
 
-- log-probs: ``creditrl.workers.forward.policy_forward`` (the chunked log-prob function);
+- log-probs: the actor update's forwards: on the CPU its shared-prefix forward
+  (``creditrl.workers.prefix_tree``: the datums of one prompt run its tokens once, in token
+  order, ``TREE_NODES`` trie nodes per forward/backward; ``tree_log_probs``), else
+  ``creditrl.workers.forward.policy_forward`` over padded micro-batches; both end in the
+  chunked log-prob function ``creditrl.core.entropy.token_log_probs``;
 - losses: ``creditrl.tinker.losses`` (creditrl's policy losses, summed over tokens);
 - LoRA: ``creditrl.models.apply_lora`` (peft); AdamW: ``creditrl.workers.optim.build_optimizer``;
 - sampling: ``creditrl.rollout.hf_engine.HFRolloutEngine`` over the same module, so a sampled
@@ -26,19 +30,23 @@ import torch
 
 from creditrl.batch import Batch, position_ids_from_mask
 from creditrl.config.schema import OptimConfig, RolloutConfig
+from creditrl.core.entropy import token_log_probs
 from creditrl.models import apply_lora, load_causal_lm, load_tokenizer
+from creditrl.models.token_tree import tree_attention_mask
 from creditrl.rollout.hf_engine import HFRolloutEngine
 from creditrl.rollout.merged_copy import MergedCopy
 from creditrl.rollout.sampling import eos_token_ids_of
 from creditrl.tinker.losses import check_loss, loss_inputs, tinker_loss
 from creditrl.tinker.messages import BadRequest, Datum, SampledSequence
-from creditrl.workers.forward import policy_forward
+from creditrl.workers.forward import DEFAULT_LOGITS_CHUNK_TOKENS, output_rows, policy_forward
 from creditrl.workers.optim import build_optimizer
+from creditrl.workers.prefix_tree import build_prefix_tree, resolve_shared_prefix
 
 __all__ = ["AdamStep", "LoraSpec", "Policy", "SampleParams", "datum_batch"]
 
 LORA_ALPHA = 32  # Tinker's LoRA scale is fixed: alpha 32 whatever the rank
 MICRO_BATCH_TOKENS = 2048  # positions per forward/backward; losses are sums, so exact
+TREE_NODES = 1024  # prefix-tree nodes per forward/backward (attention over them is dense)
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -116,15 +124,75 @@ def datum_batch(datums: Sequence[Datum], pad_id: int) -> Batch:
     )
 
 
-def _micro_batches(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:
-    part: list[Datum] = []
-    for datum in datums:
-        if part and (len(part) + 1) * max(len(d.tokens) for d in [*part, datum]) > budget:
-            yield part
-            part = []
-        part.append(datum)
-    if part:
-        yield part
+def _row(datum: Datum) -> list[int]:
+    """A datum's row as ``datum_batch`` lays it out: its inputs, then its last target."""
+    return [*datum.tokens, int(datum.inputs["target_tokens"][-1])]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def micro_batches(datums: Sequence[Datum], budget: int, shared: bool) -> list[list[int]]:
+    """Datum indices of each forward/backward. ``shared`` (the prefix-tree forward): datums in
+    token order, so rows with a common prefix are neighbours, taken while the trie of the
+    micro-batch has at most ``budget`` nodes (sorted rows: each adds its length minus its
+    common prefix with the one before it); else in the given order while rows x the longest
+    row fit ``budget`` (padded). A row over the budget is a micro-batch of its own."""
+    rows = [_row(d) for d in datums]
+    order = sorted(range(len(rows)), key=rows.__getitem__) if shared else range(len(rows))
+    parts: list[list[int]] = []
+    load = longest = 0
+    previous: list[int] = []
+    for i in order:
+        row = rows[i]
+        if shared:
+            cost = load + len(row) - _common(previous, row)
+        else:
+            cost = (len(parts[-1]) + 1 if parts else 1) * max(longest, len(row))
+        if parts and cost <= budget:
+            parts[-1].append(i)
+            load, longest = cost, max(longest, len(row))
+        else:
+            parts.append([i])
+            load = longest = len(row)
+        previous = row
+    return parts
+
+
+def tree_log_probs(
+    module: torch.nn.Module, batch: Batch, chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+) -> torch.Tensor:
+    """``policy_forward``'s log-probs (B, T) of ``datum_batch``'s rows through their prefix
+    tree (``workers.prefix_tree``: each distinct prefix runs once, with gradients), the head
+    applied once per distinct (prefix, target) pair: rows of one prompt share its positions'
+    logits as they share their hidden states, so log pi(target | prefix) is computed once and
+    given to every row holding it (the gradient sums over them). Equal to the padded forward up
+    to float rounding; where the tree does not pay (``tree_pays``), the padded forward runs."""
+    tree = build_prefix_tree(batch, only_if_it_pays=True)
+    if tree is None:
+        return policy_forward(module, batch, chunk_tokens=chunk_tokens)[0]
+    dtype = next(module.parameters()).dtype
+    mask = tree_attention_mask(tree.ancestors, module.config._attn_implementation, dtype)
+    rows, head = output_rows(
+        module,
+        tree.logit_nodes,
+        input_ids=tree.input_ids,
+        attention_mask=mask,
+        position_ids=tree.position_ids,
+    )
+    span = int(tree.labels.max()) + 1  # (node, target) pairs as node * span + target
+    pairs, index = torch.unique(tree.logit_index * span + tree.labels, return_inverse=True)
+    log_probs, _ = token_log_probs(
+        rows[0][pairs // span], pairs % span, head=head, chunk_tokens=chunk_tokens
+    )
+    valid = tree.response_valid
+    return log_probs.new_zeros(valid.shape).index_put((valid,), log_probs[index])
 
 
 class Policy:
@@ -156,6 +224,9 @@ class Policy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.eos_ids = tuple(eos_token_ids_of(module, self.tokenizer))
+        # the actor's shared-prefix forward (on the CPU, for models that can run a trie)
+        device = next(module.parameters()).device.type
+        self.shared_prefix = resolve_shared_prefix("auto", module, device)
         self.version = 0
         self.pending_grad = False
 
@@ -232,17 +303,22 @@ class Policy:
             raise BadRequest(f"{loss_fn} needs every datum's recorded sampler log-probs")
         if not forward_only and self.optimizer is None:
             raise BadRequest("this model has no trainable weights")
-        outputs: list[torch.Tensor] = []
         sums: dict[str, float] = {}
         tokens = 0.0
         self.module.train(not forward_only)
-        for part in _micro_batches(datums, MICRO_BATCH_TOKENS):
+        outputs = [torch.empty(0)] * len(datums)
+        budget = TREE_NODES if self.shared_prefix else MICRO_BATCH_TOKENS
+        for indices in micro_batches(datums, budget, self.shared_prefix):
+            part = [datums[i] for i in indices]
             batch = datum_batch(part, self.pad_id)
             width = batch["responses"].shape[1]
             inputs = loss_inputs(part, width)
             mask = batch["response_mask"].float()
             with torch.set_grad_enabled(not forward_only):
-                log_prob, _ = policy_forward(self.module, batch)
+                if self.shared_prefix:
+                    log_prob = tree_log_probs(self.module, batch)
+                else:
+                    log_prob, _ = policy_forward(self.module, batch)
                 # n: the positions trained on, which the loss's ":mean" metrics average over
                 loss, metrics, n = tinker_loss(loss_fn, config, log_prob, inputs, mask)
             if not forward_only:
@@ -252,9 +328,8 @@ class Policy:
             for key, value in metrics.items():
                 weight = n if key.endswith(":mean") else 1.0
                 sums[key] = sums.get(key, 0.0) + value * weight
-            outputs.extend(
-                log_prob[i, : len(d.tokens)].detach().float() for i, d in enumerate(part)
-            )
+            for row, i in enumerate(indices):
+                outputs[i] = log_prob[row, : len(datums[i].tokens)].detach().float()
         metrics = {
             key: value / max(tokens, 1.0) if key.endswith(":mean") else value
             for key, value in sums.items()
