@@ -46,6 +46,13 @@ from creditrl.asynchronous.weight_server import WeightClient, WeightServer
 from creditrl.config.schema import AsyncConfig
 from creditrl.weights import FolderChannel, WireChannel, WirePublisher
 
+EXPLAINED = """\
+What the wire pays for: the version's safetensors bytes built in memory, every byte hashed once
+on each side (SHA-256 per 8 MiB chunk), one request per chunk, and the bytes decoded again; the
+folder's file is written once and read back from the page cache. In a run the learner's half
+runs in a background thread (`publish(..., background=True)`: only the copy is in the step).
+Both sides run in one process, on the same cores."""
+
 
 def build_models(tiny: bool, lora: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(learner's model, sampler's model), equal to begin with."""
@@ -151,7 +158,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
-        args.out.write_text(f"# Weight transfer over loopback: wire vs folder\n\n{text}\n")
+        args.out.write_text(
+            f"# Weight transfer over loopback: wire vs folder\n\n{text}\n\n{EXPLAINED}\n"
+        )
 
 
 if __name__ == "__main__":
