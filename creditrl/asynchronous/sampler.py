@@ -327,8 +327,8 @@ class Sampler:
         queued = message.header.get("queued")  # decode checked it: an int >= 0
         if isinstance(queued, int) and not isinstance(queued, bool):
             self.others_queued = queued
-        next_seq = message.header.get("next_seq", 0)  # decode checked it: an int >= 0
-        if message.kind == "welcome" and self.outbox.skip_to(next_seq):
+        next_seq = message.header.get("next_seq")  # decode checked it: an int >= 0
+        if message.kind == "welcome" and next_seq is not None and self.outbox.skip_to(next_seq):
             log.warning(
                 "%s: the learner holds groups of %s up to seq %d that this outbox never held "
                 "(another process's); numbering new groups from %d",
