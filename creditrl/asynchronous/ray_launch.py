@@ -23,7 +23,8 @@ process killed or lost with its node: ``RayActorError``) is restarted instead, a
 ``asynchronous.max_sampler_restarts`` times each, said in one line (``fleet.SamplerRestarts``):
 the dead actor is killed for good and a new one starts in the same bundle of the placement
 group (the same node while that node lives, so the same outbox, which resends what was never
-acknowledged; the learner answers ``duplicate`` to what it consumed already). One actor per
+acknowledged; the learner answers ``duplicate`` to what it consumed already; on another node,
+without that outbox, the learner's welcome tells it where to number its groups). One actor per
 sampler id at any time: the new one starts only once Ray reports the old one dead. A sampler
 that raises or answers an error is not restarted (it would fail the same way).
 """
