@@ -185,6 +185,34 @@ def test_sdk_drives_every_supported_call(server: TinkerServer, client, trainer) 
     assert a.sequences[0].tokens == b.sequences[0].tokens
 
 
+def test_a_sampler_of_an_unchanged_version_reuses_its_snapshot_and_merge(
+    server: TinkerServer, trainer
+) -> None:
+    policy = server.service.policies[trainer.model_id]
+    tokens = trainer.get_tokenizer().encode("one two three four five")
+    prompt = types.ModelInput.from_ints(tokens)
+    params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
+
+    def samplers():
+        return [s for s in server.service.samplers.values() if s.model_id == trainer.model_id]
+
+    trainer.save_weights_and_get_sampling_client().sample(prompt, 1, params).result()
+    merges, first = policy.merged.merges, samplers()[-1]
+    trainer.save_weights_and_get_sampling_client().sample(prompt, 1, params).result()
+    second = samplers()[-1]
+    assert second is not first and second.version == first.version
+    assert second.adapters is first.adapters  # the version's snapshot, not a new copy
+    assert policy.merged.merges == merges  # and not merged again
+    n = len(tokens) - 1
+    trainer.forward_backward([_datum(tokens, weights=[1.0] * n)], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    trainer.save_weights_and_get_sampling_client().sample(prompt, 1, params).result()
+    third = samplers()[-1]
+    assert third.version > second.version and third.adapters is not second.adapters
+    assert any(not torch.equal(third.adapters[k], v) for k, v in second.adapters.items())
+    assert policy.merged.merges == merges + 1  # one merge per weight change
+
+
 def test_unsupported_calls_get_the_sdks_error_with_a_message(trainer) -> None:
     tokens = [1, 2, 3, 4]
     with pytest.raises(tinker.RequestFailedError, match=r"server-side custom losses are not"):

@@ -409,7 +409,21 @@ class Service:
         def snapshot() -> dict:
             sampler_id = self._add_sampler(session, model_id, policy.base_model, None)
             sampler = self.samplers[sampler_id]
-            sampler.adapters, sampler.version = policy.adapter_state(), policy.version
+            # a sampler of this weight version shares the version's snapshot (never written
+            # to): an unchanged model is neither copied again nor merged again to sample
+            same = next(
+                (
+                    s.adapters
+                    for s in self.samplers.values()
+                    if s.model_id == model_id
+                    and s.model_path is None
+                    and s.version == policy.version
+                    and s.adapters is not None
+                ),
+                None,
+            )
+            sampler.adapters = same if same is not None else policy.adapter_state()
+            sampler.version = policy.version
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
 
         return self._future(snapshot, model_id)
