@@ -213,6 +213,32 @@ def test_a_sampler_of_an_unchanged_version_reuses_its_snapshot_and_merge(
     assert policy.merged.merges == merges + 1  # one merge per weight change
 
 
+def test_concurrent_sampling_requests_are_sampled_in_one_engine_call(
+    server: TinkerServer, trainer, monkeypatch
+) -> None:
+    import creditrl.tinker.service as service_module
+
+    # a quiet window far longer than the client needs to send its requests
+    monkeypatch.setattr(service_module, "GATHER_QUIET_S", 1.0)
+    monkeypatch.setattr(service_module, "GATHER_MAX_S", 10.0)
+    policy = server.service.policies[trainer.model_id]
+    calls: list[int] = []
+    sample = policy.sample
+
+    def counting(requests, params):
+        calls.append(len(requests))
+        return sample(requests, params)
+
+    monkeypatch.setattr(policy, "sample", counting)
+    sampler = trainer.save_weights_and_get_sampling_client()
+    params = types.SamplingParams(max_tokens=2, temperature=1.0)
+    futures = [
+        sampler.sample(types.ModelInput.from_ints([5, 6, 7 + i]), 1, params) for i in range(6)
+    ]
+    assert all(len(f.result().sequences) == 1 for f in futures)
+    assert calls == [6]
+
+
 def test_unsupported_calls_get_the_sdks_error_with_a_message(trainer) -> None:
     tokens = [1, 2, 3, 4]
     with pytest.raises(tinker.RequestFailedError, match=r"server-side custom losses are not"):

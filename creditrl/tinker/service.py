@@ -46,6 +46,11 @@ __all__ = ["EMBEDDED_ALIASES", "Service", "Settings"]
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_NAME, f"HuggingFaceTB/{EMBEDDED_NAME}")
 SESSION_TIMEOUT_S = 600.0
 SAMPLE_GROUP = 32  # sampling requests answered by one engine call at most
+# a drain first waits until no sampling request has arrived for GATHER_QUIET_S (at most
+# GATHER_MAX_S): a client's concurrent requests arrive one HTTP request at a time, and the
+# first would otherwise be sampled alone, the rest in a second engine call
+GATHER_QUIET_S = 0.02
+GATHER_MAX_S = 0.2
 MAX_CHECKED = 64  # base model names whose directory check is remembered
 
 
@@ -612,7 +617,16 @@ class Service:
 
     def _drain(self) -> None:
         """On the worker: sample every waiting request, those of one sampler with the same
-        settings in one engine call (the recipe's concurrent requests become one batch)."""
+        settings in one engine call (the recipe's concurrent requests become one batch, once
+        they have stopped arriving: ``GATHER_QUIET_S``)."""
+        deadline, seen = time.monotonic() + GATHER_MAX_S, -1
+        while time.monotonic() < deadline:
+            with self.lock:
+                count = len(self.waiting)
+            if count == seen:
+                break
+            seen = count
+            time.sleep(GATHER_QUIET_S)
         with self.lock:
             waiting, self.waiting, self.draining = self.waiting, [], False
         groups: dict[tuple, list[SampleWanted]] = {}
