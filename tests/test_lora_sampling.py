@@ -148,10 +148,11 @@ def test_engines_that_share_a_merged_copy_merge_once(model, tokenizer):
     assert shared.merges == 1
 
 
-def test_bf16_sampling_of_a_lora_model_merges_then_rounds(model, tokenizer):
+def test_bf16_sampling_of_a_lora_model_merges_then_rounds(model, tokenizer, monkeypatch):
     """sample_dtype=bfloat16 with LoRA: the merged weights (float32) rounded once to bf16; the
     engine samples what an engine over those rounded weights samples, and the config loads
-    (the update under bf16 autocast recomputes old_log_probs, as for any bf16 copy)."""
+    where bf16 is native (faked here) with rollout IS on (old_log_probs recomputed by the
+    actor, as for any bf16 copy: tests/test_sampler_copy_policy.py)."""
     lora = lora_of(model)
     prompts = prompt_batch(PROMPTS, repeat=2)
     engine = tiny_hf_engine(lora, tokenizer, engine_kwargs={"sample_dtype": "bfloat16"})
@@ -164,9 +165,10 @@ def test_bf16_sampling_of_a_lora_model_merges_then_rounds(model, tokenizer):
     reference = tiny_hf_engine(rounded.to(torch.bfloat16), tokenizer).generate(prompts, seed=3)
     assert torch.equal(out["responses"], reference["responses"])
     assert torch.equal(out["rollout_log_probs"], reference["rollout_log_probs"])
+    monkeypatch.setattr("creditrl.workers.precision.cpu_has_native_bf16", lambda: True)
     cfg = load_config(
         overrides=["model.lora_rank=8", "rollout.engine_kwargs.sample_dtype=bfloat16",
-                   "actor.autocast=bf16"]
+                   "algorithm.rollout_is.enable=true"]
     )  # fmt: skip
     assert cfg.model.lora_rank == 8
 
@@ -318,6 +320,7 @@ def test_async_samplers_sample_merged_weights(tmp_path, tokenizer, lora_sync):
         cfg = tiny_learner_config(
             out, "model.lora_rank=4", "model.lora_alpha=8", f"asynchronous.lora_sync={sync}",
             "data.train_size=8", "rollout.max_response_length=8",
+            "asynchronous.weight_channel=folder",  # the folder this test publishes into
         )  # fmt: skip
         sampler = Sampler(cfg, 0)
         try:

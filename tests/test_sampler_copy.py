@@ -1,14 +1,14 @@
 """Sampling from a bf16 copy of float32 master weights (``rollout.engine_kwargs.sample_dtype=
 bfloat16``, ``rollout.sampler_copy``): the copy is refreshed in place (same storage, so
-captured graphs stay valid), samples what an engine over the master rounded to bf16 samples,
-and the config requires the update under bf16 autocast (old_log_probs recomputed)."""
+captured graphs stay valid) and samples what an engine over the master rounded to bf16 samples.
+When the config allows it (native bf16, rollout IS on): tests/test_sampler_copy_policy.py."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
-from helpers import PROMPTS, prompt_batch, refused, tiny_hf_engine
+from helpers import PROMPTS, prompt_batch, tiny_hf_engine
 
 from creditrl.rollout.cuda_graph import parameter_pointers
 
@@ -42,7 +42,16 @@ def test_the_bf16_copy_samples_what_the_rounded_master_samples(model, tokenizer)
         assert torch.equal(sampler.state_dict()[name], tensor.to(torch.bfloat16)), name
 
 
-def test_bf16_sampling_needs_the_update_under_bf16_autocast(capsys):
-    line = refused(capsys, "rollout.engine_kwargs.sample_dtype=bfloat16", "actor.autocast=none")
-    assert "sample_dtype=bfloat16" in line and "actor.autocast=bf16" in line
-    refused(capsys, "rollout.engine_kwargs.sample_dtype=float16")
+def test_bf16_sampling_takes_a_float32_update(monkeypatch):
+    """The update need not run in bf16: with rollout IS on, old_log_probs are recomputed by the
+    actor in whatever precision it updates in (before, actor.autocast=none was refused)."""
+    from creditrl.config.loader import load_config
+    from creditrl.pipeline.step import rollout_log_probs_reusable
+
+    monkeypatch.setattr("creditrl.workers.precision.cpu_has_native_bf16", lambda: True)
+    for autocast in ("none", "bf16"):
+        cfg = load_config(
+            overrides=["rollout.engine_kwargs.sample_dtype=bfloat16",
+                       "algorithm.rollout_is.enable=true", f"actor.autocast={autocast}"]
+        )  # fmt: skip
+        assert not rollout_log_probs_reusable(cfg)

@@ -59,9 +59,10 @@ SAMPLE_DTYPE = Option(
     "sample_dtype",
     "model",
     "'model': sample with the actor's module as it is (its log-probs are the actor's); "
-    "'bfloat16': with a bf16 copy refreshed in place before each call (half the bytes a decode "
-    "step reads; its log-probs are the copy's, so it needs the update under bf16 autocast, "
-    "where old_log_probs are recomputed)",
+    "'bfloat16' (opt-in): with a bf16 copy refreshed in place before each call (half the bytes "
+    "a decode step reads); refused on a CPU without avx512_bf16 or amx_bf16; its log-probs are "
+    "the copy's, so it needs algorithm.rollout_is.enable (old_log_probs recomputed by the "
+    "actor, the gap in rollout_corr/* and corrected by the IS weights)",
     choices=("model", "bfloat16"),
 )
 """The engine's option ``rollout.engine_kwargs.sample_dtype`` (``rollout.sampler_copy``)."""

@@ -6,12 +6,13 @@ step reads and runs bf16 products. The copy is refreshed from the master before 
 (``rollout.cuda_graph``, keyed on the parameters' ``data_ptr``s) stay valid.
 
 Its log-probs are the copy's: not the float32 forward's, nor the bf16-autocast update's (there
-the residual stream and norms stay float32). So the trainer does not reuse them as
-``old_log_probs``: the config requires the update to run under bf16 autocast, where
-``old_log_probs`` are recomputed under the update's own precision
-(``pipeline.step.rollout_log_probs_reusable``) and the PPO ratio starts at exactly 1; the
-sampler's own log-probs are kept as ``rollout_log_probs`` for rollout importance sampling
-(``algorithm.rollout_is``), which corrects the gap between the sampler and the update.
+the residual stream and norms stay float32). So the config (``creditrl.workers.checks``) asks for
+rollout importance sampling (``algorithm.rollout_is``) with it: the trainer then recomputes
+``old_log_probs`` with the actor in the update's own precision (float32 or bf16 autocast;
+``pipeline.step.rollout_log_probs_reusable``), so the PPO ratio starts at exactly 1, reports the
+sampler-trainer gap as ``rollout_corr/*`` and corrects it with the IS weights. It is opt-in and
+refused on a CPU without avx512_bf16 or amx_bf16, where bf16 products are slower than float32;
+the start-up line says which dtype the engine samples in (``workers.precision.sampling_choice``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from creditrl.trainers.loop import TrainingLoop
 from creditrl.trainers.prompts import batch_seed, prompt_batch
 from creditrl.trainers.schedule import Schedule
 from creditrl.workers.placement import check_device, describe, device_type
-from creditrl.workers.precision import autocast_choice
+from creditrl.workers.precision import autocast_choice, sampling_choice
 
 __all__ = ["RLTrainer", "RunSummary"]
 
@@ -101,6 +101,9 @@ class RLTrainer(TrainingLoop):
         self.console.print(as_text(describe(cfg), style="dim"))
         choice = autocast_choice(cfg.actor.autocast, device_type(cfg))
         self.console.print(as_text(choice, style="dim"))
+        sampling = sampling_choice(cfg, device_type(cfg))
+        if sampling is not None:
+            self.console.print(as_text(sampling, style="dim"))
         self.prompts_drawn = 0  # the stream's place: uids and sample seeds follow from it
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.trainer.max_checkpoints)
         self.schedule = Schedule.from_config(cfg.trainer)
