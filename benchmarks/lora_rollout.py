@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import subprocess
 import sys
@@ -240,7 +241,8 @@ def write_results(path: Path, lines: list[str], argv: Sequence[str], tiny: bool)
         "",
         f"Command: `.venv/bin/python {command}`  ",
         f"CPU: {cpu_flags()}  ",
-        f"Commit {commit or 'unknown'}, {when}."
+        f"Commit {commit or 'unknown'}, {when}; load average (1 min) at the end "
+        f"{os.getloadavg()[0]:.1f} (a busy machine moves the ratios less than the times)."
         + (" A --tiny smoke run: the figures mean nothing." if tiny else ""),
         "",
         "```",
