@@ -29,9 +29,12 @@ def test_rotate_is_transformers_rotary_embedding_bit_for_bit(model):
 
 
 def test_rotary_table_grows_past_its_end(model):
-    """A position past the table's end grows the table; its values stay the rotary module's."""
+    """The table is built at the first step for twice the positions it needs, and rebuilt when
+    a position passes its end; its values stay the rotary module's."""
     decoder = LlamaDecoder(model)
-    decoder._table = decoder._rotary_table(4)
+    assert decoder.static_rope and decoder._table is None
+    decoder._rotation(torch.zeros(1, model.config.hidden_size), torch.tensor([1]))
+    assert len(decoder._table[0]) == 4
     x = torch.zeros(3, model.config.hidden_size)
     positions = torch.tensor([3, 9, 200])
     cos, signed_sin = decoder._rotation(x, positions)
@@ -49,7 +52,7 @@ def test_a_position_dependent_rotary_type_is_computed_every_step(model, tokenize
     config.rope_parameters = {**config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
     torch.manual_seed(1)
     dynamic = LlamaForCausalLM(config).float().eval()
-    assert LlamaDecoder(dynamic)._table is None
+    assert not LlamaDecoder(dynamic).static_rope
     outs = {
         fast: tiny_hf_engine(dynamic, tokenizer, eos_token_ids=[], fast_decode=fast).generate(
             prompt_batch(PROMPTS, repeat=2), seed=5

@@ -75,9 +75,9 @@ class LlamaDecoder:
         self.norm = inner.norm.weight
         self.head = model.lm_head.weight
         self.rotary = inner.rotary_emb
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (getattr(config, "rope_parameters", None) or {}).get("rope_type") in _STATIC_ROPE:
-            self._table = self._rotary_table(config.max_position_embeddings)
+        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+        self.static_rope = rope in _STATIC_ROPE
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # built at the first step
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -125,13 +125,14 @@ class LlamaDecoder:
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """cos and the signed sine (m, 1, dim) at ``positions`` (m,): read from the table of
-        a static rotary embedding (grown when a position passes its end), else computed."""
-        if self._table is None:
+        a static rotary embedding (twice the positions needed, rebuilt when one passes its
+        end), else computed."""
+        if not self.static_rope:
             cos, sin = self.rotary(x, positions[:, None])
             half = sin.shape[-1] // 2
             return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        if int(positions.max()) >= len(self._table[0]):
-            self._table = self._rotary_table(2 * int(positions.max()) + 1)
+        if self._table is None or int(positions.max()) >= len(self._table[0]):
+            self._table = self._rotary_table(2 * int(positions.max()) + 2)
         cos, signed_sin = self._table
         return cos[positions][:, None], signed_sin[positions][:, None]
 
