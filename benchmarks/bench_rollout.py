@@ -28,10 +28,21 @@ decode through ``rollout.llama_decode``; single runs swing by 20-50 %):
     (before the query was made contiguous: ours-full 11.09 s, hf-full 20.38 s, 1.84x; before the
     Llama decode step: 13.42 s, 20.60 s, 1.54x)
 
-A decode step of ours-full (~100 ms) spends ~72 ms in the weight products, ~20 ms in attention
-and ~12 ms in everything else (sampling included), measured by replacing each part with zeros.
-At 16 rows the products do 32 flops per weight read: MKL runs them at ~70 GFLOP/s against the
-~117 GFLOP/s this machine's sgemm reaches on large squares, so they are compute-bound here.
+On the 2-core Intel Xeon @ 2.50GHz (avx512f/bw/vl/vnni, no avx512_bf16/amx; torch 2.13,
+transformers 5.24, 2 threads), the session of issue 51, before its changes (main 49e248b, the
+machine nearly idle):
+
+    --paired ours-full,hf-full --repeats 2:  ours-full 9.51 s (decode 9.55 s), hf-full 25.42 s;
+        pair by pair 2.77, 2.59: median 2.68x
+
+A decode step of ours-full (~100 ms there) is bound by memory reads: it reads every weight once
+(538 MB) and every row's cached keys and values (S x 737 KB for S positions, ~131 MB on
+average here) at the ~9-11 GB/s this machine reads, ~61-67 ms of the step; the weight products
+(~49 ms of an 82 ms step without the sampler, torch.profiler) and attention (~11.5 ms) run at
+about that rate whatever the kernel. Most of the rest was the sampler on row-strided logits
+(16 x 49k: 6.4 ms a step on one thread, 1.9 ms since the head returns row-major logits and the
+sampler reads them with amax and an in-place exp) and the small ops around the products.
+Figures and commands: ``benchmarks/results/rollout_kernels.md``.
 """
 
 from __future__ import annotations
