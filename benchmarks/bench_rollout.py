@@ -40,9 +40,9 @@ A decode step of ours-full (~100 ms there) is bound by memory reads: it reads ev
 average here) at the ~9-11 GB/s this machine reads, ~61-67 ms of the step; the weight products
 (~49 ms of an 82 ms step without the sampler, torch.profiler) and attention (~11.5 ms) run at
 about that rate whatever the kernel. Most of the rest was the sampler on row-strided logits
-(16 x 49k: 6.4 ms a step on one thread, 1.9 ms since the head returns row-major logits and the
-sampler reads them with amax and an in-place exp) and the small ops around the products.
-Figures and commands: ``benchmarks/results/rollout_kernels.md``.
+(16 x 49k: 7.0 ms a step on one thread in the engine, 2.3 ms since the head returns row-major
+logits and the sampler reads them with amax and an in-place exp) and the small ops around the
+products. Figures and commands: ``benchmarks/results/rollout_kernels.md``.
 """
 
 from __future__ import annotations
