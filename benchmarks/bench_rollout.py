@@ -39,10 +39,10 @@ A decode step of ours-full (~100 ms there) is bound by memory reads: it reads ev
 (538 MB) and every row's cached keys and values (S x 737 KB for S positions, ~131 MB on
 average here) at the ~9-11 GB/s this machine reads, ~61-67 ms of the step; the weight products
 (~49 ms of an 82 ms step without the sampler, torch.profiler) and attention (~11.5 ms) run at
-about that rate whatever the kernel. Most of the rest was the sampler on row-strided logits
-(16 x 49k: 7.0 ms a step on one thread in the engine, 2.3 ms since the head returns row-major
-logits and the sampler reads them with amax and an in-place exp) and the small ops around the
-products. Figures and commands: ``benchmarks/results/rollout_kernels.md``.
+about that rate whatever the kernel. Of the rest, the sampler on row-strided logits took 7.0 ms
+a step on one thread in the engine (2.3 ms since the head returns row-major logits and the
+sampler reads them with amax and an in-place exp); the small ops around the products and the
+prefill make up the remainder. Figures and commands: ``benchmarks/results/rollout_kernels.md``.
 """
 
 from __future__ import annotations
