@@ -38,6 +38,7 @@ __all__ = [
 
 CHECK_ORDER = (
     "endpoint_host",
+    "weight_channel",
     "actor_batches",
     "critic_batches",
     "estimator_groups",
