@@ -14,7 +14,7 @@ samplers as its batch source. What is async, top to bottom of a step:
    (``old_log_probs=learner``, corrected by rollout importance weights pi_old / pi_behaviour
    when ``max_staleness`` > 0), reference and teacher log-probs unless the sampler sent them
    (``asynchronous.ref_on``, ``distill.teacher_on``: the learner then builds no teacher);
-3. ``after_update``: publish the step's version (held by the worker's weight channel), then
+3. ``after_update``: publish the step's version (``weight_server.LearnerChannel``), then
    acknowledge the groups (journaled first); metrics add ``async/*`` and ``fleet/*`` (the
    samplers: ``creditrl.asynchronous.fleet``), the dump staleness.
 
