@@ -34,6 +34,10 @@ machine nearly idle):
 
     --paired ours-full,hf-full --repeats 2:  ours-full 9.51 s (decode 9.55 s), hf-full 25.42 s;
         pair by pair 2.77, 2.59: median 2.68x
+    after them (quiet):  --paired ours-full,hf-full --repeats 4:  ours-full 11.82 s (min
+        10.49 s, decode 9.90 s), hf-full 32.41 s (min 29.91 s); pair by pair 2.48, 2.48, 2.92,
+        2.95: median 2.70x (both sides ran ~25 % slower than the run before: the ratio is the
+        figure)
 
 A decode step of ours-full (~100 ms there) is bound by memory reads: it reads every weight once
 (538 MB) and every row's cached keys and values (S x 737 KB for S positions, ~131 MB on
