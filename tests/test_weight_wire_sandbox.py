@@ -58,6 +58,8 @@ def test_a_sampler_that_cannot_see_the_learners_disk_trains_over_the_wire(tmp_pa
     (own / "tmp").mkdir(parents=True)
     make_curve_keys(keys)
     port, wport = free_port(), free_port()
+    while wport == port:  # two free ports drawn one after the other may be the same one
+        wport = free_port()
     common = [
         f"model.path={tiny_model_dir()}", "actor.autocast=none", "data.train_size=8",
         "data.val_size=2", "data.train_batch_size=2", "rollout.n=2",
