@@ -27,7 +27,6 @@ import re
 import shutil
 import stat
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from safetensors.torch import save_file
 from creditrl.bounded_json import JsonLimits, read_json_file
 from creditrl.errors import ConfigError
 from creditrl.run_lock import LOCK_NAME, RunLock
+from creditrl.weights.background import OneInFlight
 from creditrl.weights.channel import WeightChannel
 from creditrl.weights.tensors import apply_state, load_tensors, publishable_state, snapshot_tensors
 
@@ -105,8 +105,7 @@ class WeightPublisher:
         self.lora_sync = lora_sync
         self.run = run  # written into ``latest``: whose versions these are
         self.lock = _claim(self.root)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = OneInFlight(f"publishing weights under {self.root} failed")
 
     def publish(self, model: torch.nn.Module, version: int, background: bool = False) -> Path:
         """Publish ``model``'s weights as ``version``; returns the version directory."""
@@ -117,26 +116,12 @@ class WeightPublisher:
         if not background:
             self._write(stored, aliases, kind, version)
             return final
-        self._thread = threading.Thread(
-            target=self._write_logged, args=(stored, aliases, kind, version), daemon=True
-        )
-        self._thread.start()
+        self._job.run(self._write, stored, aliases, kind, version)
         return final
 
     def wait(self) -> None:
         """Block until the publication in flight (if any) is complete."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"publishing weights under {self.root} failed") from error
-
-    def _write_logged(self, *args: Any) -> None:
-        try:
-            self._write(*args)
-        except BaseException as e:  # surfaced by the next publish() or wait()
-            self._error = e
+        self._job.wait()
 
     def _write(
         self, stored: dict[str, torch.Tensor], aliases: dict[str, str], kind: str, version: int

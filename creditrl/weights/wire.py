@@ -44,6 +44,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from creditrl.bounded_json import JsonLimits, loads_bounded
+from creditrl.weights.background import OneInFlight
 from creditrl.weights.channel import WeightChannel
 from creditrl.weights.tensors import apply_state, is_peft, publishable_state, snapshot_tensors
 
@@ -301,8 +302,7 @@ class WirePublisher:
         self.rate = RateLimit(rate_bytes)
         self._held: OrderedDict[int, tuple[Manifest, bytes]] = OrderedDict()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = OneInFlight("encoding weights for the wire failed")
 
     def publish(self, model: torch.nn.Module, version: int, *,
                 background: bool = False) -> Manifest | None:  # fmt: skip
@@ -314,26 +314,12 @@ class WirePublisher:
         stored, aliases = snapshot_tensors(tensors)
         if not background:
             return self._encode(kind, stored, aliases, version)
-        self._thread = threading.Thread(
-            target=self._encode_logged, args=(kind, stored, aliases, version), daemon=True
-        )
-        self._thread.start()
+        self._job.run(self._encode, kind, stored, aliases, version)
         return None
 
     def wait(self) -> None:
         """Block until the publication in flight (if any) is served, re-raising its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("encoding weights for the wire failed") from error
-
-    def _encode_logged(self, *args: Any) -> None:
-        try:
-            self._encode(*args)
-        except BaseException as e:  # surfaced by the next publish() or wait()
-            self._error = e
+        self._job.wait()
 
     def _encode(self, kind: str, stored: dict[str, torch.Tensor], aliases: dict[str, str],
                 version: int) -> Manifest:  # fmt: skip
