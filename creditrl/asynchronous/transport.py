@@ -18,8 +18,13 @@ CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
 ``sampler.key_secret`` and the learner's ``server.key`` (a sampler's machine needs only these
 two files), or the environment's ``CREDITRL_CURVE_SERVER_PUBLIC`` (the learner's public key)
 and ``CREDITRL_CURVE_SECRET`` (its own secret key; the public one follows from it), Z85 text
-as in the key files, which then win over the folder (``sampler_curve_keys``). Binding
-anything but a loopback address without CURVE is refused unless ``allow_insecure`` is set.
+as in the key files, which then win over the folder (``sampler_curve_keys``). The learner
+likewise takes ``CREDITRL_CURVE_SERVER_SECRET`` (its secret key) and
+``CREDITRL_CURVE_AUTHORIZED`` (the samplers' public keys, separated by commas or spaces) from
+the environment (``LEARNER_CURVE_ENV``, both or neither) over the folder (``server_curve_keys``,
+``start_authenticator``): how the Ray launcher hands an actor its keys without a shared disk.
+Binding anything but a loopback address without CURVE is refused unless ``allow_insecure`` is
+set.
 """
 
 from __future__ import annotations
@@ -45,17 +50,23 @@ from creditrl.hosts import is_loopback, url_host
 
 __all__ = [
     "CURVE_ENV",
+    "LEARNER_CURVE_ENV",
     "LearnerSocket",
     "SamplerSocket",
+    "curve_env",
     "endpoint",
     "make_curve_keys",
     "sampler_curve_keys",
     "server_curve_keys",
+    "start_authenticator",
+    "uses_curve",
 ]
 
 log = logging.getLogger(__name__)
 _MAX_FRAMES = 3  # PROTOCOL, header, payload: the most frames a message has (after the identity)
 CURVE_ENV = ("CREDITRL_CURVE_SERVER_PUBLIC", "CREDITRL_CURVE_SECRET")
+LEARNER_CURVE_ENV = ("CREDITRL_CURVE_SERVER_SECRET", "CREDITRL_CURVE_AUTHORIZED")
+_MAX_AUTHORIZED = 4096  # sampler public keys the learner's environment may list
 _Z85 = frozenset(Z85CHARS.decode())
 
 
@@ -86,8 +97,7 @@ def _load_key(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     return public, private
 
 
-def _env_key(name: str) -> bytes:
-    value = os.environ[name].strip()
+def _z85_key(value: str, name: str) -> bytes:
     if len(value) != 40 or not set(value) <= _Z85:
         raise ConfigError(
             f"environment variable {name} is not a CURVE key: 40 Z85 characters, as on the "
@@ -96,16 +106,41 @@ def _env_key(name: str) -> bytes:
     return value.encode()
 
 
+def _env_key(name: str) -> bytes:
+    return _z85_key(os.environ[name].strip(), name)
+
+
+def _env_pair(names: tuple[str, str], who: str) -> bool:
+    """Whether both of ``names`` are set in the environment (neither: False; one: ConfigError)."""
+    given = [name for name in names if os.environ.get(name)]
+    missing = [name for name in names if name not in given]
+    if given and missing:
+        raise ConfigError(f"{given[0]} is set but {missing[0]} is not: {who} needs both")
+    return bool(given)
+
+
+def _env_authorized() -> frozenset[bytes]:
+    """The samplers' public keys in ``CREDITRL_CURVE_AUTHORIZED`` (commas or spaces between;
+    at most ``_MAX_AUTHORIZED``; each a CURVE key, else a one-line ConfigError)."""
+    name = LEARNER_CURVE_ENV[1]
+    words = os.environ[name].replace(",", " ").split()
+    if len(words) > _MAX_AUTHORIZED:
+        raise ConfigError(f"{name} lists {len(words)} keys, more than {_MAX_AUTHORIZED}")
+    return frozenset(_z85_key(word, f"{name} (key {i})") for i, word in enumerate(words))
+
+
+def uses_curve(cfg: AsyncConfig) -> bool:
+    """Whether the learner's sockets are CURVE servers: ``curve_keys_dir`` or its keys in the
+    environment (``LEARNER_CURVE_ENV``)."""
+    return bool(cfg.curve_keys_dir) or _env_pair(LEARNER_CURVE_ENV, "the learner")
+
+
 def sampler_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes, bytes] | None:
     """(public, secret, the learner's public) key a sampler connects with: from the
     environment (``CURVE_ENV``, both or neither; a one-line ConfigError naming a variable
     that is missing or not a key), else ``curve_keys_dir``'s ``sampler.key_secret`` and
     ``server.key`` (one missing or not a key file: a one-line ConfigError); None: plain TCP."""
-    given = [name for name in CURVE_ENV if os.environ.get(name)]
-    if given:
-        missing = [name for name in CURVE_ENV if name not in given]
-        if missing:
-            raise ConfigError(f"{given[0]} is set but {missing[0]} is not: a sampler needs both")
+    if _env_pair(CURVE_ENV, "a sampler"):
         server, secret = (_env_key(name) for name in CURVE_ENV)
         return zmq.curve_public(secret), secret, server
     if not cfg.curve_keys_dir:
@@ -120,11 +155,64 @@ def sampler_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes, bytes] | None:
 
 
 def server_curve_keys(cfg: AsyncConfig) -> tuple[bytes, bytes] | None:
-    """(public, secret) key of the learner (``curve_keys_dir``'s ``server.key_secret``);
-    None: plain TCP."""
+    """(public, secret) key of the learner: ``CREDITRL_CURVE_SERVER_SECRET`` (the public one
+    follows from it), else ``curve_keys_dir``'s ``server.key_secret``; None: plain TCP."""
+    if _env_pair(LEARNER_CURVE_ENV, "the learner"):
+        secret = _env_key(LEARNER_CURVE_ENV[0])
+        return zmq.curve_public(secret), secret
     if not cfg.curve_keys_dir:
         return None
     return _load_key(Path(cfg.curve_keys_dir) / "server.key_secret", secret=True)
+
+
+def curve_env(cfg: AsyncConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments that carry ``curve_keys_dir``'s keys to a learner and to a sampler on
+    a machine without the folder: the learner's secret key and every ``authorized/*.key``
+    (``LEARNER_CURVE_ENV``); the learner's public key and the sampler's secret key
+    (``CURVE_ENV``). Both empty without ``curve_keys_dir``; a key missing or not a key file:
+    a one-line ConfigError."""
+    if not cfg.curve_keys_dir:
+        return {}, {}
+    keys = Path(cfg.curve_keys_dir)
+    try:
+        server_public, server_secret = _load_key(keys / "server.key_secret", secret=True)
+        _, sampler_secret = _load_key(keys / "sampler.key_secret", secret=True)
+        admitted = [_load_key(path, secret=False)[0]
+                    for path in sorted((keys / "authorized").glob("*.key"))]  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"asynchronous.curve_keys_dir: {' '.join(str(e).split())}") from None
+    assert server_secret is not None and sampler_secret is not None  # _load_key(secret=True)
+    learner = {LEARNER_CURVE_ENV[0]: server_secret.decode(),
+               LEARNER_CURVE_ENV[1]: " ".join(key.decode() for key in admitted)}  # fmt: skip
+    sampler = {CURVE_ENV[0]: server_public.decode(), CURVE_ENV[1]: sampler_secret.decode()}
+    return learner, sampler
+
+
+class _KeySet:
+    """A ZAP credentials provider admitting the CURVE public keys (Z85) it holds."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def start_authenticator(context: zmq.Context, cfg: AsyncConfig) -> ThreadAuthenticator:
+    """A started ZAP authenticator on ``context`` admitting the samplers' public keys: those
+    in ``CREDITRL_CURVE_AUTHORIZED`` when the learner's keys come from the environment, else
+    the ``*.key`` files in ``curve_keys_dir``'s ``authorized/``."""
+    from_env = _env_pair(LEARNER_CURVE_ENV, "the learner")
+    admitted = _KeySet(_env_authorized()) if from_env else None  # a bad key: said before start
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    if admitted is not None:
+        auth.configure_curve_callback(domain="*", credentials_provider=admitted)
+    else:
+        auth.configure_curve(
+            domain="*", location=str(Path(cfg.curve_keys_dir or "") / "authorized")
+        )
+    return auth
 
 
 def _configure(sock: zmq.Socket, hwm: int) -> None:
@@ -160,12 +248,10 @@ class LearnerSocket:
         if max_message_bytes > 0:
             self.sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        if cfg.curve_keys_dir:
-            keys = Path(cfg.curve_keys_dir)
-            public, secret = _load_key(keys / "server.key_secret", secret=True)
-            self.auth = ThreadAuthenticator(self.context)
-            self.auth.start()
-            self.auth.configure_curve(domain="*", location=str(keys / "authorized"))
+        keys = server_curve_keys(cfg)
+        if keys is not None:
+            public, secret = keys
+            self.auth = start_authenticator(self.context, cfg)
             self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
             self.sock.curve_server = True
         elif not is_loopback(cfg.host) and not cfg.allow_insecure:

@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,7 +39,12 @@ from creditrl.asynchronous.messages import (
     weight_message,
 )
 from creditrl.asynchronous.settings import run_id, weight_channel, weight_root
-from creditrl.asynchronous.transport import endpoint, sampler_curve_keys, server_curve_keys
+from creditrl.asynchronous.transport import (
+    endpoint,
+    sampler_curve_keys,
+    server_curve_keys,
+    start_authenticator,
+)
 from creditrl.config import Config
 from creditrl.config.schema import AsyncConfig
 from creditrl.errors import ConfigError
@@ -138,10 +142,7 @@ class WeightServer:
         try:
             if keys is not None:
                 if self.own_context:
-                    self.auth = ThreadAuthenticator(self.context)
-                    self.auth.start()
-                    location = str(Path(cfg.curve_keys_dir or "") / "authorized")
-                    self.auth.configure_curve(domain="*", location=location)
+                    self.auth = start_authenticator(self.context, cfg)
                 self.sock.curve_publickey, self.sock.curve_secretkey = keys
                 self.sock.curve_server = True
             elif not is_loopback(cfg.host) and not cfg.allow_insecure:
