@@ -1,12 +1,14 @@
 """Beyond one machine: a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``, both
 nodes bound to 127.0.0.1). The synchronous trainer's ranks spread over the nodes and match the
 in-process run; ``creditrl async asynchronous.launcher=ray`` runs the learner and the sampler
-as actors on different nodes and ends at once, naming it, when an actor fails."""
+as actors on different nodes, sharing nothing but a socket, and ends at once, naming it, when
+an actor fails."""
 
 import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,8 +19,10 @@ from helpers import COMPARED_METRICS, read_metrics, tiny_scale_out_config
 from rich.console import Console
 
 from creditrl import cli
+from creditrl.asynchronous import ray_launch
 from creditrl.asynchronous.launcher import load_from_args
 from creditrl.asynchronous.ray_launch import ActorRun, learner_host, supervise_actors
+from creditrl.asynchronous.transport import CURVE_ENV, LEARNER_CURVE_ENV, make_curve_keys
 from creditrl.config import load_config
 from creditrl.controller.ray_group import _single_node_mode
 from creditrl.errors import ConfigError
@@ -197,17 +201,73 @@ def async_args(out: Path, address: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_creditrl_async_on_ray_actors_over_two_nodes(tmp_path: Path, two_nodes, capsys) -> None:
+def test_creditrl_async_on_ray_actors_over_two_nodes_sharing_only_a_socket(
+    tmp_path: Path, two_nodes, capsys, monkeypatch
+) -> None:
     """`creditrl async asynchronous.launcher=ray` on the cluster: learner and sampler run as
-    actors on the two different nodes, train 2 steps and the command exits 0."""
+    actors on the two different nodes, train 2 steps and the command exits 0, with nothing
+    shared but the socket: the key folder is gone before the actors run (their CURVE keys
+    came in their environment), their nodes lack the launcher's directory (each works in a
+    folder of its own), and the sampler's weights came over the wire (CURVE, the weight
+    port)."""
     out = tmp_path / "run"
-    code = cli.main(async_args(out, two_nodes.address))
+    keys = make_curve_keys(tmp_path / "keys")
+    monkeypatch.setattr(ray_launch, "_launch_dir", lambda: str(tmp_path / "not-on-any-node"))
+    locate = ray_launch._locate
+
+    def keys_gone(runs, timeout, console):  # the launcher has read them; the actors have not
+        shutil.rmtree(keys)
+        return locate(runs, timeout, console)
+
+    monkeypatch.setattr(ray_launch, "_locate", keys_gone)
+    wire = ["asynchronous.weight_channel=wire", "asynchronous.max_staleness=0"]  # v1 fetched
+    args = async_args(out, two_nodes.address, f"asynchronous.curve_keys_dir={keys}", *wire)
+    code = cli.main(args)
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
-    assert [row["step"] for row in map(json.loads, (out / "metrics.jsonl").open())] == [1, 2]
-    where = re.search(r"learner rank 0 on 127\.0\.0\.1 \((\w+)\), sampler 0 \(s0\) on "
-                      r"127\.0\.0\.1 \((\w+)\)", text)  # fmt: skip
+    assert not keys.exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[-1]["async/weights_chunks_sent"] > 0, rows[-1]
+    address = re.search(r"learner at (tcp://127\.0\.0\.1:\d+)", text)
+    assert address, text[-3000:]
+    logs = _actor_logs()
+    assert f"learner: listening on {address[1]} (CURVE)" in logs
+    assert "sampler s0: weights over the wire from tcp://127.0.0.1:" in logs
+    own = ray_launch.node_workdir(str(tmp_path / "not-on-any-node"))
+    where = re.search(rf"learner rank 0 on 127\.0\.0\.1 \((\w+)\) in its node's own {own}, "
+                      rf"sampler 0 \(s0\) on 127\.0\.0\.1 \((\w+)\) in its node's own {own}",
+                      text)  # fmt: skip
     assert where and where[1] != where[2], text[-3000:]
+
+
+def _actor_logs() -> str:
+    """What the cluster's actors printed (its session's ``worker-*`` files)."""
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("worker-*")))
+
+
+def test_actor_env_hands_each_role_only_its_keys(tmp_path: Path, monkeypatch) -> None:
+    """The learner's actors get its secret key and the samplers' public keys, the samplers'
+    the learner's public key and their own secret key; keys already in the launcher's
+    environment win over the folder; no keys, no environment."""
+    for name in (*LEARNER_CURVE_ENV, *CURVE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    base = [f"model.path={tiny_model_dir()}"]
+    assert ray_launch.actor_env(load_config(overrides=base)) == {"learner": {}, "sampler": {}}
+    keys = make_curve_keys(tmp_path / "keys")
+    cfg = load_config(overrides=[*base, f"asynchronous.curve_keys_dir={keys}"])
+    envs = ray_launch.actor_env(cfg)
+    assert set(envs["learner"]) == set(LEARNER_CURVE_ENV)
+    assert set(envs["sampler"]) == set(CURVE_ENV)
+    secret = envs["sampler"]["CREDITRL_CURVE_SECRET"]
+    assert secret not in json.dumps(envs["learner"])  # a sampler's secret stays the sampler's
+    monkeypatch.setenv("CREDITRL_CURVE_SERVER_PUBLIC", "p" * 40)
+    monkeypatch.setenv("CREDITRL_CURVE_SECRET", "s" * 40)
+    envs = ray_launch.actor_env(cfg)
+    assert envs["sampler"] == {"CREDITRL_CURVE_SERVER_PUBLIC": "p" * 40,
+                               "CREDITRL_CURVE_SECRET": "s" * 40}  # fmt: skip
+    assert set(envs["learner"]) == set(LEARNER_CURVE_ENV)  # still from the folder
 
 
 def test_creditrl_async_on_ray_ends_when_a_sampler_cannot_start(

@@ -255,7 +255,8 @@ class Learner(GroupReceiver, TrainingLoop):
         self.version = start_versions(self.cfg, self.publisher, self.actor.model, self.version, say)
         self.console.print(
             as_text(
-                f"learner: listening on {self.socket.address}; step {self.step} of "
+                f"learner: listening on {self.socket.address} ({self.socket.security}); "
+                f"step {self.step} of "
                 f"{self.cfg.trainer.total_steps}, weights v{self.version}"
             )
         )

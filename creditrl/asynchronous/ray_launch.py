@@ -10,10 +10,17 @@ last traceback lines), never pickled objects of ours.
 
 Network: on a local cluster the learner binds 127.0.0.1. On a named cluster it binds its own
 node's address (``asynchronous.host`` and, when 0, ``port`` and ``dist_port`` are set here from
-learner rank 0's node); a non-loopback address needs ``asynchronous.curve_keys_dir`` or
-``asynchronous.allow_insecure``, as for the process launcher. The output directory (weights,
-sampler outboxes) and the CURVE keys must be on a filesystem every node reads; an actor works in
-the launcher's directory when its node has it.
+learner rank 0's node); a non-loopback address needs CURVE keys or
+``asynchronous.allow_insecure``, as for the process launcher.
+
+Nothing but a socket is shared (``actor_env``): the launcher reads the CURVE keys
+(``asynchronous.curve_keys_dir`` on this machine, or ``CREDITRL_CURVE_*`` in its environment)
+and hands each actor only its own in its Ray runtime environment (JSON, never pickled): the
+learner its secret key and the samplers' public keys, a sampler the learner's public key and
+its secret key; the actors' config names no key folder. An actor works in the launcher's
+directory when its node has it, else in a folder of its node's own (``node_workdir``), said
+at start-up; a sampler whose node does not see the learner's weight folder takes the wire
+(``weight_server.choose_channel``) and keeps its outbox on its own disk (``state_dir``).
 
 Supervision (``supervise_actors``), as the process launcher: the run ends when learner rank 0
 finishes (the samplers it told to stop get ``grace_s``, then are killed), and as soon as any
@@ -33,10 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +54,13 @@ from typing import Any
 from creditrl.asynchronous.fleet import SamplerRestarts
 from creditrl.asynchronous.settings import sampler_id_of
 from creditrl.asynchronous.tails import TAIL_LINES, print_tail
-from creditrl.asynchronous.transport import endpoint
+from creditrl.asynchronous.transport import (
+    CURVE_ENV,
+    LEARNER_CURVE_ENV,
+    curve_env,
+    endpoint,
+    uses_curve,
+)
 from creditrl.config import Config
 from creditrl.config.loader import from_dict, to_dict
 from creditrl.controller.placement import (
@@ -58,7 +73,36 @@ from creditrl.errors import ConfigError, UserError
 from creditrl.hosts import is_loopback
 from creditrl.plain_text import as_markup, as_text, plain
 
-__all__ = ["ActorRun", "AsyncActor", "launch_ray", "learner_host", "supervise_actors"]
+__all__ = [
+    "ActorRun",
+    "AsyncActor",
+    "actor_env",
+    "launch_ray",
+    "learner_host",
+    "node_workdir",
+    "supervise_actors",
+]
+
+
+def node_workdir(cwd: str) -> str:
+    """Where an actor works on a node without the launcher's directory ``cwd``: a folder of
+    that node's temporary directory named for ``cwd``, so an actor restarted there finds it."""
+    digest = hashlib.sha256(cwd.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), "creditrl-actors", digest)
+
+
+def actor_env(cfg: Config) -> dict[str, dict[str, str]]:
+    """The environment each role's actors get (``"learner"``, ``"sampler"``): their CURVE keys,
+    from this process's ``LEARNER_CURVE_ENV`` / ``CURVE_ENV`` where set, else from
+    ``asynchronous.curve_keys_dir`` read here (``transport.curve_env``); empty without keys."""
+    learner, sampler = curve_env(cfg.asynchronous)
+    own = {name: os.environ[name] for name in (*LEARNER_CURVE_ENV, *CURVE_ENV)
+           if os.environ.get(name)}  # fmt: skip
+    if all(name in own for name in LEARNER_CURVE_ENV):
+        learner = {name: own[name] for name in LEARNER_CURVE_ENV}
+    if all(name in own for name in CURVE_ENV):
+        sampler = {name: own[name] for name in CURVE_ENV}
+    return {"learner": learner, "sampler": sampler}
 
 
 class AsyncActor:
@@ -66,14 +110,19 @@ class AsyncActor:
 
     def __init__(self, role: str, index: int, cwd: str) -> None:
         self.role, self.index = role, index
-        if os.path.isdir(cwd):  # relative paths of the config mean what they meant there
-            os.chdir(cwd)
+        self.workdir = ""  # the launcher's directory (relative paths mean what they meant there)
+        if not os.path.isdir(cwd):  # a node without it: a folder of its own
+            self.workdir = node_workdir(cwd)
+            os.makedirs(self.workdir, exist_ok=True)
+            cwd = self.workdir
+        os.chdir(cwd)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's output with this
         return f"{self.role}-{self.index}"
 
     def where(self) -> list[Any]:
-        """[node address, node id, two ports free on that address, pid]."""
+        """[node address, node id, two ports free on that address, pid, the folder it works in
+        when not the launcher's ("": the launcher's)]."""
         import ray
 
         host = ray.util.get_node_ip_address()
@@ -81,7 +130,8 @@ class AsyncActor:
             first.bind((host, 0))
             second.bind((host, 0))
             ports = [int(first.getsockname()[1]), int(second.getsockname()[1])]
-        return [host, ray.get_runtime_context().get_node_id(), *ports, os.getpid()]
+        node = ray.get_runtime_context().get_node_id()
+        return [host, node, *ports, os.getpid(), self.workdir]
 
     def run(self, cfg_json: str) -> str:
         """Build the learner rank or sampler and run it to its end. Answers JSON: ``code`` (0,
@@ -156,11 +206,11 @@ def learner_host(cfg: Config, node_ip: str, named_cluster: bool) -> str:
     if not named_cluster:
         return "127.0.0.1"
     a = cfg.asynchronous
-    if not is_loopback(node_ip) and not a.curve_keys_dir and not a.allow_insecure:
+    if not is_loopback(node_ip) and not uses_curve(a) and not a.allow_insecure:
         raise ConfigError(
             f"asynchronous.launcher=ray: the learner's node {node_ip} is not loopback, so its "
             "socket needs CURVE keys: set asynchronous.curve_keys_dir (`creditrl async "
-            "--make-keys DIR`, on a path every node reads) or asynchronous.allow_insecure=true"
+            "--make-keys DIR`, on this machine) or asynchronous.allow_insecure=true"
         )
     return node_ip
 
@@ -260,17 +310,29 @@ def supervise_actors(
         _kill(everyone)
 
 
-def _new_actor(cfg: Config, placement: Any, slot: int, role: str, index: int) -> Any:
-    """A new ``AsyncActor`` (``role`` ``index``) in bundle ``slot`` of ``placement``."""
+def _launch_dir() -> str:
+    """The directory actors work in where their node has it: the launcher's."""
+    return os.getcwd()
+
+
+def _new_actor(
+    cfg: Config, placement: Any, slot: int, role: str, index: int, env: dict[str, str]
+) -> Any:
+    """A new ``AsyncActor`` (``role`` ``index``) in bundle ``slot`` of ``placement``, with
+    ``env`` (``actor_env``) in its environment."""
     import ray
 
     options = actor_options(cfg.trainer.ray, placement, slot)
-    return ray.remote(AsyncActor).options(**options).remote(role, index, os.getcwd())
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    return ray.remote(AsyncActor).options(**options).remote(role, index, _launch_dir())
 
 
-def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRun]] | int:
-    """The placement group and the actors (learner ranks, then samplers), or an exit code
-    after reporting a placement that did not happen in time."""
+def _start(
+    cfg: Config, console: Any, envs: dict[str, dict[str, str]]
+) -> tuple[Any, list[ActorRun], list[ActorRun]] | int:
+    """The placement group and the actors (learner ranks, then samplers; ``envs`` by role), or
+    an exit code after reporting a placement that did not happen in time."""
     import ray
 
     a, ray_cfg = cfg.asynchronous, cfg.trainer.ray
@@ -291,7 +353,7 @@ def _start(cfg: Config, console: Any) -> tuple[Any, list[ActorRun], list[ActorRu
         )
         return 1
     runs = [
-        ActorRun(role, index, _new_actor(cfg, placement, slot, role, index), slot=slot)
+        ActorRun(role, index, _new_actor(cfg, placement, slot, role, index, envs[role]), slot=slot)
         for slot, (role, index) in enumerate(roles)
     ]
     return placement, runs[: a.learners], runs[a.learners :]
@@ -337,10 +399,11 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
     sized = dataclasses.replace(
         cfg, trainer=dataclasses.replace(cfg.trainer, workers=actors, critic_placement="colocated")
     )
+    envs = actor_env(cfg)  # the keys are read here, once; actors get them by environment
     init_ray(sized)
     placement, everyone = None, []
     try:
-        begun = _start(cfg, console)
+        begun = _start(cfg, console, envs)
         if isinstance(begun, int):
             return begun
         placement, learners, samplers = begun
@@ -348,14 +411,17 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
         places = _locate(everyone, cfg.trainer.call_timeout_s, console)
         if isinstance(places, int):
             return places
-        node_ip, _, free_port, free_dist_port, _ = places[0]
+        node_ip, _, free_port, free_dist_port, _, _ = places[0]
         host = learner_host(cfg, node_ip, named)
+        keys_dir = None if envs["learner"] and envs["sampler"] else a.curve_keys_dir
         asynchronous = dataclasses.replace(
-            a, host=host, port=a.port or free_port, dist_port=a.dist_port or free_dist_port
-        )
+            a, host=host, port=a.port or free_port, dist_port=a.dist_port or free_dist_port,
+            curve_keys_dir=keys_dir,
+        )  # fmt: skip
         run_cfg = dataclasses.replace(cfg, asynchronous=asynchronous)
         nodes = ", ".join(
             f"{run.name} on {place[0]} ({place[1][:8]})"
+            + (f" in its node's own {place[5]}" if place[5] else "")
             for run, place in zip(everyone, places, strict=True)
         )
         console.print(
@@ -371,7 +437,7 @@ def launch_ray(cfg: Config, console: Any, grace_s: float = 60.0) -> int:
             run.ref = run.actor.run.remote(cfg_json)
 
         def restart(run: ActorRun) -> None:
-            run.actor = _new_actor(cfg, placement, run.slot, run.role, run.index)
+            run.actor = _new_actor(cfg, placement, run.slot, run.role, run.index, envs[run.role])
             run.ref = run.actor.run.remote(cfg_json)
 
         limit = a.max_sampler_restarts

@@ -268,6 +268,11 @@ class LearnerSocket:
             self.port = port
         self.address = endpoint(cfg.host, self.port)
 
+    @property
+    def security(self) -> str:
+        """``CURVE`` or ``no CURVE``, as the learner says where it listens."""
+        return "CURVE" if self.auth is not None else "no CURVE"
+
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """The next (sampler id, message), or None after ``timeout_s``. A malformed message
         raises MessageError whose ``sender`` is the routing identity it came from (arbitrary
