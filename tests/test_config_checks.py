@@ -63,7 +63,7 @@ def test_every_owner_registers_its_checks_in_order() -> None:
     assert set(CHECK_ORDER) == set(_CHECKS)  # every check of the package has its place
     names = list(CHECK_ORDER)
     assert {"endpoint_host", "critic_batches", "estimator_groups", "engine_lora"} <= set(names)
-    assert {"static_decode_cache", "sample_dtype_autocast", "distill", "paths"} <= set(names)
+    assert {"static_decode_cache", "sample_dtype_bf16", "distill", "paths"} <= set(names)
     assert names.index("endpoint_host") < names.index("actor_batches") < names.index("paths")
     assert names[-1] == "distill"
     assert len(unused_rules()) >= 30

@@ -46,7 +46,7 @@ CHECK_ORDER = (
     "engine_lora",
     "validation_samples",
     "static_decode_cache",
-    "sample_dtype_autocast",
+    "sample_dtype_bf16",
     "data",
     "paths",
     "distill",

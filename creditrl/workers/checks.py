@@ -8,7 +8,7 @@ from creditrl.config.schema import Config
 from creditrl.errors import ConfigError
 
 
-@register_config_check("sample_dtype_autocast")
+@register_config_check("sample_dtype_bf16")
 def _check_sample_dtype(cfg: Config) -> None:
     """A bf16 sampling copy (opt-in) only where bf16 is multiplied natively, and with rollout
     importance sampling on: its log-probs are the copy's, so the update's ``old_log_probs``
