@@ -19,9 +19,11 @@ The fleet (``creditrl.asynchronous.fleet``): every message marks its sampler hea
 counts as delivered; a sampler that joins, restarts (a hello with a new ``started`` id) or
 comes back is said in one line. A sampler is marked gone (one line) when an acknowledgement
 finds it no longer connected: after each step every sampler heard from gets one, and when the
-socket has reported a dropped connection and a step waits for groups, every sampler alive gets
-an empty one. While no sampler is connected and a step waits, the learner says so in one line;
-it stops after ``asynchronous.data_timeout_s`` as above.
+socket has reported a dropped connection (closed, or silent past the heartbeat timeout:
+``transport``) and a step waits for groups, every sampler alive gets an empty one; the socket's
+routing table tells exactly which are gone (``ROUTER_MANDATORY``). While no sampler is
+connected and a step waits, the learner says so in one line; it stops after
+``asynchronous.data_timeout_s`` as above.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from creditrl.asynchronous.settings import (
     teacher_on_sampler,
 )
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, GroupStats
-from creditrl.asynchronous.transport import LearnerSocket
+from creditrl.asynchronous.transport import HEARTBEAT_MISSES, LearnerSocket
 from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.batch import Batch
 from creditrl.config import Config
@@ -374,9 +376,10 @@ class GroupReceiver:
         if dropped:
             self.counters["peer_disconnects"] += dropped
             log.info(
-                "learner: %d sampler connection(s) closed (a sampler exiting, or one sending a "
-                "frame over %d bytes: asynchronous.max_message_mb)",
-                dropped, max_message_bytes(self.cfg),
+                "learner: %d sampler connection(s) closed (a sampler exiting, one silent for "
+                "%d heartbeats: asynchronous.heartbeat_s, or one sending a frame over %d bytes: "
+                "asynchronous.max_message_mb)",
+                dropped, HEARTBEAT_MISSES, max_message_bytes(self.cfg),
             )  # fmt: skip
             self.probe_due = True
         return groups

@@ -13,6 +13,15 @@ frame and lets go of every frame past the three a message may have without copyi
 vanishing. Every socket has send and receive high-water marks of ``hwm`` messages, so a slow
 learner blocks its samplers (back-pressure) instead of growing memory without bound.
 
+Heartbeats (``heartbeat_s``): each socket sends a ZeroMQ PING on every connection that often,
+and drops a connection that brings nothing (no frame, no PONG) for ``HEARTBEAT_MISSES`` of them
+after a PING, as if it had closed: a peer whose machine vanished or whose process stopped,
+its TCP connection never closed, is dropped like one that exited (the learner's monitor counts
+it, its routing identity goes, and a send to it fails ``unreachable``); a sampler reconnects
+to a learner that vanished once it answers again. libzmq answers PINGs on its own I/O thread,
+so a busy process is not dropped; a single frame must cross within that timeout, though (its
+PONG waits behind it). No TTL is sent: each side times out on its own PINGs.
+
 CURVE (``curve_keys_dir``, laid out by ``make_curve_keys``): the learner holds
 ``server.key_secret`` and accepts only the public keys in ``authorized/``; a sampler holds
 ``sampler.key_secret`` and the learner's ``server.key`` (a sampler's machine needs only these
@@ -44,17 +53,19 @@ from zmq.utils.z85 import Z85CHARS
 from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
 from creditrl.asynchronous.validation import DEFAULT_JSON_LIMITS
 from creditrl.bounded_json import JsonLimits
-from creditrl.config.schema import AsyncConfig
+from creditrl.config.schema import HEARTBEAT, AsyncConfig
 from creditrl.errors import ConfigError
 from creditrl.hosts import is_loopback, url_host
 
 __all__ = [
     "CURVE_ENV",
+    "HEARTBEAT_MISSES",
     "LEARNER_CURVE_ENV",
     "LearnerSocket",
     "SamplerSocket",
     "curve_env",
     "endpoint",
+    "heartbeat_ms",
     "make_curve_keys",
     "sampler_curve_keys",
     "server_curve_keys",
@@ -68,6 +79,7 @@ CURVE_ENV = ("CREDITRL_CURVE_SERVER_PUBLIC", "CREDITRL_CURVE_SECRET")
 LEARNER_CURVE_ENV = ("CREDITRL_CURVE_SERVER_SECRET", "CREDITRL_CURVE_AUTHORIZED")
 _MAX_AUTHORIZED = 4096  # sampler public keys the learner's environment may list
 _Z85 = frozenset(Z85CHARS.decode())
+HEARTBEAT_MISSES = 3  # heartbeats a peer may leave unanswered before it is dropped
 
 
 def endpoint(host: str, port: int) -> str:
@@ -215,12 +227,25 @@ def start_authenticator(context: zmq.Context, cfg: AsyncConfig) -> ThreadAuthent
     return auth
 
 
-def _configure(sock: zmq.Socket, hwm: int) -> None:
-    if hwm < 1:
-        raise ValueError(f"asynchronous.hwm must be >= 1, got {hwm}")
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+def heartbeat_ms(cfg: AsyncConfig) -> tuple[int, int]:
+    """(interval, timeout) of the ZeroMQ heartbeats in milliseconds: ``heartbeat_s`` to the
+    millisecond, and ``HEARTBEAT_MISSES`` of it (ValueError outside ``HEARTBEAT``)."""
+    if not HEARTBEAT.holds(cfg.heartbeat_s):
+        raise ValueError(f"asynchronous.heartbeat_s must be {HEARTBEAT.text()}")
+    interval = round(cfg.heartbeat_s * 1000)
+    return interval, HEARTBEAT_MISSES * interval
+
+
+def _configure(sock: zmq.Socket, cfg: AsyncConfig) -> None:
+    """High-water marks of ``hwm`` messages, no linger, and heartbeats (``heartbeat_ms``)."""
+    if cfg.hwm < 1:
+        raise ValueError(f"asynchronous.hwm must be >= 1, got {cfg.hwm}")
+    interval, timeout = heartbeat_ms(cfg)
+    sock.setsockopt(zmq.SNDHWM, cfg.hwm)
+    sock.setsockopt(zmq.RCVHWM, cfg.hwm)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
 
 
 class LearnerSocket:
@@ -242,7 +267,7 @@ class LearnerSocket:
         self.context = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
         self.sock = self.context.socket(zmq.ROUTER)
-        _configure(self.sock, cfg.hwm)
+        _configure(self.sock, cfg)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if max_message_bytes > 0:
@@ -313,8 +338,8 @@ class LearnerSocket:
         return sender, message
 
     def disconnects(self) -> int:
-        """Peer disconnections since the last call (a sampler exiting, or libzmq dropping a
-        peer that sent a frame over ``MAXMSGSIZE``)."""
+        """Peer disconnections since the last call (a sampler exiting, one silent past the
+        heartbeat timeout, or libzmq dropping a peer that sent a frame over ``MAXMSGSIZE``)."""
         count = 0
         while self.monitor.poll(0):
             if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
@@ -353,7 +378,7 @@ class SamplerSocket:
         port = cfg.port if port is None else port
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.DEALER)
-        _configure(self.sock, cfg.hwm)
+        _configure(self.sock, cfg)
         self.sock.setsockopt(zmq.IDENTITY, check_sampler_id(sampler_id).encode())
         keys = sampler_curve_keys(cfg)
         if keys is not None:

@@ -35,6 +35,8 @@ ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
 """What happens to a rollout importance weight above its threshold."""
 TEMPERATURE_NOTE = "training samples; rollout.val_temperature=0 is greedy validation"
+HEARTBEAT = Range(0.1, 3600, note="to the millisecond; a group must cross within 3 of them")
+"""``asynchronous.heartbeat_s``: libzmq's interval is whole milliseconds, its timeout 3 of them."""
 
 
 @dataclass
@@ -522,6 +524,8 @@ class AsyncConfig:
     """Bind a non-loopback host without CURVE."""
     ping_s: float = field(default=5.0, metadata=meta(range=POSITIVE))
     """Seconds between a waiting sampler's pings to the learner."""
+    heartbeat_s: float = field(default=10.0, metadata=meta(range=HEARTBEAT))
+    """ZeroMQ heartbeat interval; a peer silent 3 heartbeats is dropped (its sampler not alive)."""
     data_timeout_s: float = field(default=600.0, metadata=meta(range=POSITIVE))
     """The learner fails when no episode arrives for this many seconds."""
     max_message_mb: float = field(default=0.0, metadata=meta(range=AT_LEAST_0))
