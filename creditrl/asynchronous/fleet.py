@@ -8,7 +8,11 @@ or by hand). A sampler is *alive* from any message until a send to it finds its 
 gone (``mark_gone``: the learner's socket answers that it routes to no such peer); a
 sampler that is busy sampling and silent stays alive, its silence shows in ``last_heard_s``.
 
-Counts are since the learner (process) started; the clock is ``time.monotonic`` unless given.
+Counts are since the run started: a learner saves them with its checkpoints (``state_dict``,
+the ``MAX_SAVED`` samplers heard most recently) and a resumed one continues them, every sampler
+known and none alive until it is heard again (a ``hello`` with another ``started`` than the one
+saved is a restart). The clock is ``time.monotonic`` unless given; a resumed sampler's silence
+continues from the one saved (the learner's downtime not counted).
 
 The launchers' side (``SamplerRestarts``): ``creditrl async`` restarts a sampler that dies (a
 process killed by a signal other than SIGINT/SIGTERM, a Ray actor lost), each at most
@@ -21,10 +25,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PER_SAMPLER_METRICS", "Fleet", "Member", "SamplerRestarts"]
+from creditrl.asynchronous.messages import MessageError, check_sampler_id
+
+__all__ = ["MAX_SAVED", "PER_SAMPLER_METRICS", "Fleet", "Member", "SamplerRestarts"]
 
 PER_SAMPLER_METRICS = 64  # samplers (by id, sorted) whose own fleet/<id>/* metrics are logged
+MAX_SAVED = 1 << 16  # samplers a checkpoint holds (those heard most recently)
+_MAX_COUNT = 2**53  # a saved count or seq: JSON's exact integers
+_MAX_SILENT_S = 1e9  # a saved silence, seconds
+_SAVED_KEYS = frozenset({"id", "started", "restarts", "groups", "next_seq", "silent_s"})
 
 
 @dataclass
@@ -101,6 +112,48 @@ class Fleet:
         more = len(self.members) - len(recent)
         words = ", ".join(f"{s} last heard {self.silent_s(s):.0f}s ago" for s in recent)
         return words + (f" and {more} more" if more > 0 else "")
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe ``{"members": [{"id", "started", "restarts", "groups", "next_seq",
+        "silent_s"}, ...]}``: the ``MAX_SAVED`` samplers heard most recently."""
+        recent = sorted(self.members.values(), key=lambda m: -m.last_heard)[:MAX_SAVED]
+        return {"members": [{"id": m.sampler_id, "started": m.started, "restarts": m.restarts,
+                             "groups": m.groups, "next_seq": m.next_seq,
+                             "silent_s": self.silent_s(m.sampler_id)}
+                            for m in sorted(recent, key=lambda m: m.sampler_id)]}  # fmt: skip
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore ``state_dict``'s samplers, none alive; ValueError (one line) for a state
+        that is not one: a member's fields, types, ranges, or more than ``MAX_SAVED``."""
+        members = state.get("members") if isinstance(state, dict) else None
+        if not isinstance(members, list) or len(members) > MAX_SAVED:
+            raise ValueError(f"'members' must be a list of at most {MAX_SAVED} samplers")
+        now, restored = self.clock(), {}
+        for i, saved in enumerate(members):
+            if not isinstance(saved, dict) or saved.keys() != _SAVED_KEYS:
+                raise ValueError(f"members[{i}] must hold exactly {sorted(_SAVED_KEYS)}")
+            sampler_id, started = saved["id"], saved["started"]
+            for key in ("id", "started") if started is not None else ("id",):
+                try:
+                    check_sampler_id(saved[key])
+                except MessageError:
+                    raise ValueError(
+                        f"members[{i}].{key} must be 1-64 characters of [A-Za-z0-9_.-]"
+                    ) from None
+            if sampler_id in restored:
+                raise ValueError(f"members[{i}]: sampler {sampler_id} appears twice")
+            for key in ("restarts", "groups", "next_seq"):
+                value = saved[key]
+                if type(value) is not int or not 0 <= value <= _MAX_COUNT:
+                    raise ValueError(f"members[{i}].{key} must be an int in [0, 2**53]")
+            silent = saved["silent_s"]
+            if type(silent) not in (int, float) or not 0 <= silent <= _MAX_SILENT_S:
+                raise ValueError(f"members[{i}].silent_s must be a number in [0, 1e9]")
+            restored[sampler_id] = Member(
+                sampler_id, now - silent, started, alive=False, restarts=saved["restarts"],
+                groups=saved["groups"], next_seq=saved["next_seq"],
+            )  # fmt: skip
+        self.members = restored
 
     def metrics(self) -> dict[str, float]:
         """``fleet/alive``, ``fleet/known`` (every sampler id heard from), ``fleet/restarts``,

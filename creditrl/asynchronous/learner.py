@@ -18,7 +18,7 @@ samplers as its batch source. What is async, top to bottom of a step:
    acknowledge the groups (journaled first); metrics add ``async/*`` and ``fleet/*`` (the
    samplers: ``creditrl.asynchronous.fleet``), the dump staleness.
 
-Resume: the model, optimizer, ledger and version come from the latest checkpoint; the
+Resume: the model, optimizer, ledger, version and fleet come from the latest checkpoint; the
 acknowledgement journal tells how many episodes were trained after it (their updates are
 lost: reported as dropped); the version continues past anything published before the crash.
 
@@ -156,12 +156,9 @@ class Learner(GroupReceiver, TrainingLoop):
     # ---- checkpoints ---------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The weight version, the ledger and the counters."""
-        return {
-            "version": self.version,
-            "ledger": self.ledger.state_dict(),
-            "counters": dict(self.counters),
-        }
+        """The weight version, the ledger, the counters and the fleet (``Fleet.state_dict``)."""
+        return {"version": self.version, "ledger": self.ledger.state_dict(),
+                "counters": dict(self.counters), "fleet": self.fleet.state_dict()}  # fmt: skip
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()
@@ -169,13 +166,14 @@ class Learner(GroupReceiver, TrainingLoop):
         return path
 
     def load_state(self, path: Path, state: dict[str, Any]) -> None:
-        """Every rank restores the version; rank 0 rebuilds the ledger from the journal and
-        reports the in-flight episodes whose updates were lost."""
+        """Every rank restores the version; rank 0 the fleet (``restore_fleet``), rebuilds the
+        ledger from the journal and reports the in-flight episodes whose updates were lost."""
         self.version = int(state["version"])
         self.ledger.load_state_dict(state["ledger"])
         self.counters.update(state["counters"])
         if not self.main:
             return
+        self.restore_fleet(path, state)
         dropped = self.journal.recover(self.step, self.ledger)
         self.resume_report = {"step": self.step, "dropped_groups": dropped["groups"],
                               "dropped_episodes": dropped["episodes"]}  # fmt: skip

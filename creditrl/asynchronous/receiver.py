@@ -32,6 +32,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from creditrl.asynchronous.delivery import AckJournal, DeliveryLedger
@@ -56,7 +57,7 @@ from creditrl.asynchronous.transport import HEARTBEAT_MISSES, LearnerSocket
 from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
 from creditrl.batch import Batch
 from creditrl.config import Config
-from creditrl.errors import UserError
+from creditrl.errors import DataError, UserError
 from creditrl.plain_text import as_text
 from creditrl.rollout import kept_sets_recorded
 from creditrl.rollout.strategies import strategy_traits
@@ -152,6 +153,17 @@ class GroupReceiver:
         self.probe_due = False  # a connection dropped since the samplers were last probed
         self.incarnation = uuid.uuid4().hex
         self.socket: LearnerSocket | None = None
+
+    def restore_fleet(self, path: Path, state: dict[str, Any]) -> None:
+        """The fleet saved in checkpoint ``path``'s ``state`` (``Fleet.load_state_dict``); none
+        in a checkpoint written before fleets were saved (the counts start over); one that is
+        not a fleet's state is a one-line DataError naming the checkpoint."""
+        if "fleet" not in state:
+            return
+        try:
+            self.fleet.load_state_dict(state["fleet"])
+        except ValueError as e:
+            raise DataError(f"checkpoint {path}: state.json's fleet: {e}") from None
 
     def open_socket(self, port: int | None) -> None:
         """Bind the learner's socket (``asynchronous.host`` and ``port``)."""
