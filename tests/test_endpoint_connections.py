@@ -5,8 +5,12 @@ episodes' new, not yet keyed connections dropped with its own."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
+from pathlib import Path
+
+import pytest
 
 from creditrl.agents.endpoint import Endpoint
 
@@ -163,3 +167,33 @@ def test_a_programs_own_clients_never_lose_to_a_keyless_flood() -> None:
             flood.kill()
             flood.wait()
         endpoint.close()
+
+
+def test_the_private_socket_folder_goes_when_the_process_exits_without_close(
+    tmp_path: Path,
+) -> None:
+    """An endpoint its owner never closed (a run stopped by an exception, a test) leaves no
+    ``creditrl-endpoint-*`` folder behind when its process exits: 8 were left per run of
+    tests/test_verifiers.py before."""
+    import subprocess
+    import sys
+
+    if not hasattr(socket, "SO_PEERCRED"):
+        pytest.skip("no private socket on this platform")
+    code = (
+        "import asyncio\n"
+        "from creditrl.agents.endpoint import Endpoint\n"
+        "async def handler(trajectory, body):\n"
+        "    return {}\n"
+        "endpoint = Endpoint(handler, lambda t: True, 'm')\n"
+        "endpoint.start()\n"
+        "print(endpoint._socket_dir, flush=True)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = Path(done.stdout.strip())
+    assert folder.parent == tmp_path and folder.name.startswith("creditrl-endpoint-")
+    assert not folder.exists()
+    assert list(tmp_path.iterdir()) == []

@@ -44,6 +44,7 @@ import socket
 import struct
 import tempfile
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -244,6 +245,8 @@ class Endpoint:
         self.port = self._server.sockets[0].getsockname()[1]
         if hasattr(socket, "SO_PEERCRED"):
             self._socket_dir = tempfile.mkdtemp(prefix="creditrl-endpoint-")  # mode 0700
+            # removed by close(), else when the process exits without it (never on SIGKILL)
+            weakref.finalize(self, shutil.rmtree, self._socket_dir, True)
             self._private = await self.loop.create_unix_server(
                 lambda: _OwnProcess(self._runner.server()),  # type: ignore[union-attr]
                 os.path.join(self._socket_dir, "s"),
