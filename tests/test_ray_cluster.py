@@ -235,6 +235,8 @@ def test_creditrl_async_on_ray_actors_over_two_nodes_sharing_only_a_socket(
     assert f"learner: listening on {address[1]} (CURVE)" in logs
     assert "sampler s0: weights over the wire from tcp://127.0.0.1:" in logs
     own = ray_launch.node_workdir(str(tmp_path / "not-on-any-node"))
+    assert Path(own).is_dir()
+    shutil.rmtree(own)  # kept for restarted actors; this run is over
     where = re.search(rf"learner rank 0 on 127\.0\.0\.1 \((\w+)\) in its node's own {own}, "
                       rf"sampler 0 \(s0\) on 127\.0\.0\.1 \((\w+)\) in its node's own {own}",
                       text)  # fmt: skip
