@@ -9,8 +9,9 @@ before it joins a batch) is acknowledged ``rejected``, counted (``async/rejected
 version) exceeds ``max_staleness`` are dropped, counted and acknowledged ``stale`` (with
 ``asynchronous.staleness_policy=drop``; ``keep`` trains them); a group
 seen before is acknowledged ``duplicate``; a group that would take the buffered bytes past
-``settings.max_buffered_bytes`` is rejected ``buffer_full`` (counted like any rejection, but
-not toward ``max_rejects``: a flood from one peer never disconnects the others). Trained
+``buffer_bound`` (``settings.max_buffered_bytes``, grown for samplers that joined past
+``num_samplers``) is rejected ``buffer_full`` (counted like any rejection, but not toward
+``max_rejects``: a flood from one peer never disconnects the others). Trained
 groups are acknowledged ``trained`` after the update, journaled first. When no group passes
 within ``asynchronous.data_timeout_s``, ``NoEpisodesError`` says in one line how many were
 rejected meanwhile and why (or that none arrived).
@@ -46,6 +47,7 @@ from creditrl.asynchronous.messages import (
     reject_message,
 )
 from creditrl.asynchronous.settings import (
+    inflight_groups,
     json_limits,
     max_buffered_bytes,
     max_message_bytes,
@@ -54,7 +56,12 @@ from creditrl.asynchronous.settings import (
 )
 from creditrl.asynchronous.staleness import BufferedGroup, GroupBuffer, GroupStats
 from creditrl.asynchronous.transport import HEARTBEAT_MISSES, LearnerSocket
-from creditrl.asynchronous.validation import AGENT_FIELDS, STRUCTURED_FIELDS, GroupLimits
+from creditrl.asynchronous.validation import (
+    AGENT_FIELDS,
+    STRUCTURED_FIELDS,
+    GroupLimits,
+    max_group_bytes,
+)
 from creditrl.batch import Batch
 from creditrl.config import Config
 from creditrl.errors import DataError, UserError
@@ -65,10 +72,11 @@ from creditrl.tracking import RolloutDumper
 from creditrl.weights import WeightChannel
 from creditrl.workers.plan import structured_reward
 
-__all__ = ["AsyncRolloutDumper", "GroupReceiver", "NoEpisodesError"]
+__all__ = ["BUFFER_GROWTH", "AsyncRolloutDumper", "GroupReceiver", "NoEpisodesError"]
 
 log = logging.getLogger(__name__)
 _DRAIN = 256  # messages handled per receive call, so a flood never starves the step loop
+BUFFER_GROWTH = 4  # the buffer's bound follows the samplers up to this x num_samplers of them
 
 
 class NoEpisodesError(UserError):
@@ -141,7 +149,10 @@ class GroupReceiver:
         self.buffer = GroupBuffer(a.max_staleness, drop=a.staleness_policy == "drop")
         self.group_stats = GroupStats()
         self.json_limits = json_limits(cfg)
-        self.buffer_limit = max_buffered_bytes(cfg)
+        self.buffer_limit = max_buffered_bytes(cfg)  # room for num_samplers samplers
+        largest = max_group_bytes(cfg.rollout.n, cfg.data.max_prompt_length,
+                                  cfg.rollout.max_response_length, self.json_limits)  # fmt: skip
+        self.sampler_room = inflight_groups(cfg) * largest  # one sampler's unacknowledged groups
         self.counters: dict[str, int] = defaultdict(int)
         self.counters["rejected"] = 0
         self.last_rejection = ""  # "<sender>[:<seq>] (<reason>): <why>", for NoEpisodesError
@@ -276,10 +287,11 @@ class GroupReceiver:
             self.fleet.delivered(sender, seq)
             self._drop_stale([group])
             return 1
-        if self.buffer.nbytes + group.nbytes > self.buffer_limit:
+        needed = self.buffer.nbytes + group.nbytes
+        if needed > self.buffer_limit and needed > (bound := self.buffer_bound(sender)):
             err = MessageError(
                 f"group {sender}:{seq} of {group.nbytes} bytes would take the buffered groups "
-                f"({self.buffer.nbytes} bytes) past {self.buffer_limit}",
+                f"({self.buffer.nbytes} bytes) past {bound}",
                 "buffer_full",
                 seq,
             )
@@ -289,6 +301,17 @@ class GroupReceiver:
         self.fleet.delivered(sender, seq)
         self.buffer.add(group)
         return 1
+
+    def buffer_bound(self, sender: str) -> int:
+        """The most bytes the buffer holds with a group of ``sender``: ``buffer_limit`` (room
+        for ``num_samplers`` samplers' unacknowledged groups at the largest size a group passes
+        with), plus ``sampler_room`` (one sampler's) for each sampler past ``num_samplers``
+        whose groups it holds, the sender included, counting at most ``BUFFER_GROWTH`` x
+        ``num_samplers`` samplers: never more than ``BUFFER_GROWTH`` x ``buffer_limit``."""
+        base = self.cfg.asynchronous.num_samplers
+        holders = len(self.buffer.senders() | {sender})
+        extra = min(holders, BUFFER_GROWTH * base) - base
+        return self.buffer_limit + max(extra, 0) * self.sampler_room
 
     def _check_rendering(self, batch: Batch, where: str) -> None:
         """MessageError (non_tensor) when the chat template refuses a row's messages (a

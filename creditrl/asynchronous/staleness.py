@@ -66,6 +66,10 @@ class GroupBuffer:
         """How many waiting groups come from samplers other than ``sampler_id``."""
         return sum(1 for sender, _ in self._groups if sender != sampler_id)
 
+    def senders(self) -> set[str]:
+        """The sampler ids whose groups are waiting here."""
+        return {sender for sender, _ in self._groups}
+
     def holds(self, sampler_id: str, seq: int) -> bool:
         """True if group ``seq`` of ``sampler_id`` is waiting here."""
         return (sampler_id, seq) in self._groups
