@@ -5,8 +5,9 @@ A sampler joins the fleet with its first message. Its ``hello`` carries ``starte
 process draws once when it starts (``Sampler.started``): a ``hello`` with another ``started``
 than the one last heard from that sampler id is a restart (of the process, under any launcher,
 or by hand). A sampler is *alive* from any message until a send to it finds its connection
-gone (``mark_gone``: the learner's socket answers that it routes to no such peer); a
-sampler that is busy sampling and silent stays alive, its silence shows in ``last_heard_s``.
+gone (``mark_gone``: the learner's socket answers that it routes to no such peer: it closed,
+or left ``asynchronous.heartbeat_s``'s heartbeats unanswered, ``transport``); a sampler that
+is busy sampling and silent stays alive, its silence shows in ``last_heard_s``.
 
 Counts are since the run started: a learner saves them with its checkpoints (``state_dict``,
 the ``MAX_SAVED`` samplers heard most recently) and a resumed one continues them, every sampler
