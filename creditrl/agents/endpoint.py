@@ -54,6 +54,7 @@ from aiohttp import web
 from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.errors import ConfigError
 from creditrl.hosts import unbracketed, url_host
+from creditrl.http_serving import BACKLOG, bounded_runner
 
 __all__ = ["MAX_BODY_BYTES", "REQUEST_LIMITS", "Endpoint", "EndpointError"]
 
@@ -65,8 +66,6 @@ IDLE_TIMEOUT_S = 30.0  # a request head, a body, or the wait between requests
 KEY_TIMEOUT_S = 5.0  # for a new connection's bytes to show the run's key
 MAX_UNKEYED = 256  # connections that have not shown the key (several accept bursts)
 KEYED_IDLE_S = 1.0  # a keyed connection quiet this long, no request in progress, is idle
-MAX_HEAD_BYTES = 8190  # one request line or header field
-BACKLOG = 64  # connections waiting to be accepted (and accepted at once before the limit applies)
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -221,16 +220,7 @@ class Endpoint:
         app.router.add_post("/t/{trajectory}/v1/chat/completions", self._completions)
         app.router.add_get("/t/{trajectory}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,
-            keepalive_timeout=self.idle_timeout_s,
-            lingering_time=1.0,
-            max_line_size=MAX_HEAD_BYTES,
-            max_field_size=MAX_HEAD_BYTES,
-            shutdown_timeout=5.0,
-        )
+        self._runner = bounded_runner(app, self.idle_timeout_s)
         await self._runner.setup()
         try:
             self._server = await self.loop.create_server(

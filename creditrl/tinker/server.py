@@ -40,6 +40,7 @@ from aiohttp import web
 
 from creditrl.bounded_json import JsonLimitError, JsonLimits, loads_bounded
 from creditrl.hosts import unbracketed, url_host
+from creditrl.http_serving import BACKLOG, bounded_runner
 from creditrl.tinker.futures import Failure, ProtoResult
 from creditrl.tinker.messages import BadRequest, parse_forward_backward
 from creditrl.tinker.service import Service, Settings
@@ -54,8 +55,6 @@ POLL_WAIT_S = 10.0
 IDLE_TIMEOUT_S = 30.0  # a request head, a body, or the wait between two requests
 MAX_CONNECTIONS = 256
 SAMPLE_CONCURRENCY = 128  # sampling requests one SDK client keeps in flight
-BACKLOG = 64
-MAX_HEAD_BYTES = 8190  # one request line or header field
 PROTO = "application/x-protobuf"
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
@@ -173,16 +172,7 @@ class TinkerServer:
             "/api/v1/checkpoints", self._get(lambda _: self.service.list_checkpoints(None))
         )
         app.router.add_route("*", "/api/v1/{tail:.*}", self._unsupported)
-        self._runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,
-            keepalive_timeout=self.idle_timeout_s,
-            lingering_time=1.0,
-            max_line_size=MAX_HEAD_BYTES,
-            max_field_size=MAX_HEAD_BYTES,
-            shutdown_timeout=5.0,
-        )
+        self._runner = bounded_runner(app, self.idle_timeout_s)
         await self._runner.setup()
         self._server = await self.loop.create_server(
             self._accept, self.host, self.port, backlog=BACKLOG
