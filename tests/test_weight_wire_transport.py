@@ -23,7 +23,7 @@ from creditrl.asynchronous.transport import (
     make_curve_keys,
     sampler_curve_keys,
 )
-from creditrl.asynchronous.weight_server import WeightClient, WeightServer, weight_port
+from creditrl.asynchronous.weight_server import WINDOW, WeightClient, WeightServer, weight_port
 from creditrl.config import load_config
 from creditrl.config.schema import AsyncConfig
 from creditrl.errors import ConfigError
@@ -325,6 +325,130 @@ def test_an_answer_over_the_size_limit_never_reaches_python_and_the_weights_stay
     finally:
         client.close()
         forger.close()
+
+
+# ---- a window of requests in flight ----------------------------------------------------------
+
+
+class Holder(Forger):
+    """A fake weight port that holds chunk requests until ``hold`` are waiting (or none came
+    for 0.5 s), then answers them as ``answer(port, waiting)`` says (frame lists, in order;
+    ``waiting``: the held request headers, oldest first); ``held``: how many each time."""
+
+    def __init__(self, publisher: WirePublisher, answer: Any, hold: int = WINDOW) -> None:
+        self.hold, self.held, self.requests = hold, [], 0
+        super().__init__(publisher, answer)
+
+    def run(self) -> None:
+        waiting: list[dict[str, Any]] = []
+        identity = b""
+        while not self.stop.is_set():
+            if self.sock.poll(500 if waiting else 50):
+                identity, *frames = self.sock.recv_multipart()
+                header = decode(frames).header
+                if header["kind"] == "manifest_request":
+                    self.sock.send_multipart([identity, *self.honest(header)])
+                    continue
+                self.requests += 1
+                waiting.append(header)
+                if len(waiting) < self.hold:
+                    continue
+            if waiting:
+                self.held.append(len(waiting))
+                for reply in self.answer(self, waiting):
+                    self.sock.send_multipart([identity, *reply])
+                waiting = []
+
+
+def _reversed(port: Holder, waiting: list[dict[str, Any]]) -> list[list[bytes]]:
+    return [port.honest(h) for h in reversed(waiting)]
+
+
+def _forged_in_the_middle(port: Holder, waiting: list[dict[str, Any]]) -> list[list[bytes]]:
+    """The first window, newest first, with three forgeries among the answers: one to a
+    request never made, a copy of an answer already given, and a chunk of zeros."""
+    replies = _reversed(port, waiting)
+    if port.held != [len(waiting)]:
+        return replies
+    last = waiting[-1]
+    zeros = bytes(len(port.publisher.chunk(last["version"], last["index"])))
+    return [
+        replies[0],
+        weight_message("chunk", zeros, rid=last["rid"] + 1000, version=1, index=0),
+        replies[0],
+        *replies[1:-1],
+        weight_message("chunk", zeros, rid=waiting[0]["rid"], version=1,
+                       index=waiting[0]["index"]),
+    ]  # fmt: skip
+
+
+def _refused_first(port: Holder, waiting: list[dict[str, Any]]) -> list[list[bytes]]:
+    """The first window: the oldest request refused, then the others answered honestly."""
+    if port.held != [len(waiting)]:
+        return _reversed(port, waiting)
+    first = waiting[0]
+    refused = weight_message("weights_refused", rid=first["rid"], reason="version",
+                             detail="weight version 1 is not held")  # fmt: skip
+    return [refused, *[port.honest(h) for h in waiting[1:]]]
+
+
+def _fetch_through(answer: Any) -> tuple[Holder, WeightClient, WireChannel, Any, Any]:
+    learner, sampler = tiny(0), tiny(1)
+    publisher = WirePublisher(chunk_bytes=1 << 14)
+    publisher.publish(learner, 1)
+    port = Holder(publisher, answer)
+    client = WeightClient(AsyncConfig(), "s0", port.address, timeout_s=10.0)
+    return port, client, WireChannel(client), learner, sampler
+
+
+def test_a_window_of_chunk_requests_is_in_flight_and_answered_in_any_order() -> None:
+    """The sampler asks for WINDOW chunks before the first answer (the port holds them until
+    then), takes the answers newest first, and loads the version whole; nothing refused."""
+    port, client, channel, learner, sampler = _fetch_through(_reversed)
+    try:
+        assert channel.load(sampler) is True and same_weights(sampler, learner)
+        chunks = len(port.publisher.manifest(1)["chunks"])
+        assert chunks > 2 * WINDOW and port.held[0] == WINDOW and sum(port.held) == chunks
+        assert port.requests == chunks and channel.fetched == chunks
+        assert sum(channel.rejected.values()) == 0 and sum(client.rejected.values()) == 0
+    finally:
+        client.close()
+        port.close()
+
+
+def test_forged_answers_in_the_middle_of_a_window_are_refused_and_counted() -> None:
+    """Among the first window's answers: one to a request never made and a second copy of an
+    answer are skipped (``order``), a chunk of zeros fails its checksum; the other chunks are
+    kept, nothing is loaded, and the next load asks for the refused chunk alone."""
+    port, client, channel, learner, sampler = _fetch_through(_forged_in_the_middle)
+    before = copy.deepcopy(sampler.state_dict())
+    try:
+        assert channel.load(sampler) is False and channel.version == 0
+        assert all(torch.equal(v, before[k]) for k, v in sampler.state_dict().items())
+        assert {k: v for k, v in client.rejected.items() if v} == {"order": 2}
+        assert {k: v for k, v in channel.rejected.items() if v} == {"checksum": 1}
+        chunks = len(port.publisher.manifest(1)["chunks"])
+        assert port.requests == chunks
+        assert channel.load(sampler) is True and same_weights(sampler, learner)
+        assert port.requests == chunks + 1 and port.held[-1] == 1
+    finally:
+        client.close()
+        port.close()
+
+
+def test_a_refusal_in_a_window_gives_up_the_rest_and_their_late_answers_count_nothing() -> None:
+    """The first request of a window refused: the version is refused (``version``) and the
+    window's other requests abandoned; their answers, arriving late, are dropped uncounted,
+    and the next load fetches the version whole."""
+    port, client, channel, learner, sampler = _fetch_through(_refused_first)
+    try:
+        assert channel.load(sampler) is False
+        assert {k: v for k, v in channel.rejected.items() if v} == {"version": 1}
+        assert channel.load(sampler) is True and same_weights(sampler, learner)
+        assert sum(client.rejected.values()) == 0 and channel.rejected["version"] == 1
+    finally:
+        client.close()
+        port.close()
 
 
 # ---- keys and settings -----------------------------------------------------------------------

@@ -3,11 +3,14 @@
 The learner serves its ``WirePublisher``'s publications on a second ZeroMQ port (``weight_port``:
 ``asynchronous.weight_port``, 0: the learner's port + 1), CURVE-protected as the episodes'
 port is, from a thread of its own (``WeightServer``), so a sampler fetches weights while the
-learner trains. A sampler's ``WeightClient`` (a ``creditrl.weights.wire.WireSource``) asks one
-thing at a time over a DEALER socket, ``manifest_request`` then ``chunk_request`` per chunk
-(``creditrl.asynchronous.messages``), and waits ``weight_timeout_s`` for each answer; what it
-cannot use is refused and counted (``rejected``), and its ``WireChannel`` keeps the last good
-weights.
+learner trains. A sampler's ``WeightClient`` (a ``creditrl.weights.wire.WireSource``) asks over
+a DEALER socket, ``manifest_request`` then ``chunk_request`` per chunk
+(``creditrl.asynchronous.messages``), keeping a window of ``WINDOW`` chunk requests in flight
+(so the learner sends the next chunks while the sampler checks the last; each answer matched to
+its request by ``rid``, in any order), and waits ``weight_timeout_s`` for each next answer;
+what it cannot use is refused and counted (``rejected``), and its ``WireChannel`` keeps the
+last good weights. A chunk travels without a copy in Python on either side: the server sends a
+view of the publication, the client hands on a read-only view of the frame it received.
 
 Bounds: a request is at most ``_MAX_REQUEST`` bytes (libzmq's ``MAXMSGSIZE``: a larger one
 disconnects its sender unread); an answer at most the sampler's ``WireLimits.max_chunk_bytes``
@@ -25,13 +28,16 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Iterable, Iterator
+from contextlib import closing
 from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from creditrl.asynchronous.messages import (
+    WEIGHT_REPLIES,
     WEIGHT_REQUESTS,
     Message,
     MessageError,
@@ -77,6 +83,8 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST = 64 << 10  # a request is a short JSON header
 _HEADER_SLACK = 1 << 20  # an answer's header beside its chunk
 CHUNK_BYTES = 8 << 20
+WINDOW = 4  # chunk requests a sampler keeps in flight
+_ABANDONED_KEPT = 64  # requests given up on whose late answers are still dropped uncounted
 COUNTS = ("weights_requests", "weights_chunks_sent", "weights_bytes_sent", "weights_refused",
           "weights_bad_requests", "weights_unsent")  # fmt: skip
 _MIB = 1 << 20
@@ -104,11 +112,12 @@ def wire_publisher(cfg: Config) -> WirePublisher:
 
 
 def weight_timeout_s(cfg: AsyncConfig) -> float:
-    """How long a sampler waits for one answer: ``ping_s``, plus the time the learner's rate
-    limit may take to send a chunk to every sampler ahead of it."""
+    """How long a sampler waits for its next answer: ``ping_s``, plus the time the learner's
+    rate limit may take to send every chunk asked for ahead of it (``WINDOW`` per sampler)."""
     if cfg.weight_rate_mb <= 0:
         return cfg.ping_s
-    return cfg.ping_s + (cfg.num_samplers + 1) * CHUNK_BYTES / (cfg.weight_rate_mb * _MIB)
+    ahead = cfg.num_samplers * WINDOW + 1
+    return cfg.ping_s + ahead * CHUNK_BYTES / (cfg.weight_rate_mb * _MIB)
 
 
 class WeightServer:
@@ -290,10 +299,15 @@ def learner_channel(
 
 class WeightClient:
     """A sampler's ``WireSource`` over a DEALER to the learner's weight port ``address`` (module
-    docstring). Each call sends one request and waits ``timeout_s`` for its answer: none is a
-    ``ConnectionError``; an answer to an earlier request (``rid``) or one that does not decode
-    is skipped and counted (``rejected``); the learner's refusal, or an answer to this request
-    for another version or chunk, is a ``WireError``. Thread-safe (one request at a time)."""
+    docstring). ``newest``, ``manifest`` and ``chunk`` send one request and wait ``timeout_s``
+    for its answer; ``chunks`` keeps up to ``window`` chunk requests in flight and waits at
+    most ``timeout_s`` for each next answer. No answer in time is a ``ConnectionError``; an
+    answer is matched to its request by ``rid``: one to no request in flight, or one that does
+    not decode, is skipped and counted (``rejected``); the learner's refusal, or an answer to a
+    request that names another version or chunk than it asked for, is a ``WireError``.
+    Requests left in flight when a call ends so (the last ``_ABANDONED_KEPT``) are abandoned:
+    their late answers are dropped uncounted. A chunk's bytes are not copied: a read-only view
+    of the frame libzmq received. Thread-safe (one call at a time)."""
 
     def __init__(
         self,
@@ -303,15 +317,18 @@ class WeightClient:
         *,
         limits: WireLimits | None = None,
         timeout_s: float | None = None,
+        window: int = WINDOW,
     ) -> None:
-        self.address, self.limits = address, limits or WireLimits()
+        if type(window) is not int or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.address, self.limits, self.window = address, limits or WireLimits(), window
         self.timeout_s = weight_timeout_s(cfg) if timeout_s is None else timeout_s
         self.rejected: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 4)
-        self.sock.setsockopt(zmq.RCVHWM, 4)
+        self.sock.setsockopt(zmq.SNDHWM, 2 * window + 2)
+        self.sock.setsockopt(zmq.RCVHWM, 2 * window + 2)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_chunk_bytes + _HEADER_SLACK)
         self.sock.setsockopt(zmq.IDENTITY, f"{sampler_id}.w".encode())
         keys = sampler_curve_keys(cfg)
@@ -320,75 +337,129 @@ class WeightClient:
         self.sock.connect(address)
         self._lock = threading.Lock()
         self._rid = 0
+        self._abandoned: OrderedDict[int, None] = OrderedDict()
 
     def newest(self) -> int | None:
         """The learner's newest published version (a short answer: asked at every refresh)."""
-        return self._ask("manifest_request", version=None).header["newest"]
+        return self._ask("manifest_request", version=None)[0].header["newest"]
 
     def manifest(self, version: int) -> dict[str, Any]:
         """Version ``version``'s manifest fields (checked by the ``WireChannel``)."""
-        manifest = self._ask("manifest_request", version=version).header["manifest"]
+        manifest = self._ask("manifest_request", version=version)[0].header["manifest"]
         if manifest is None:
             raise WireError(f"the learner sent no manifest for version {version}", "version")
         return manifest
 
-    def chunk(self, version: int, index: int) -> bytes:
+    def chunk(self, version: int, index: int) -> memoryview:
         """Chunk ``index`` of ``version``."""
-        reply = self._ask("chunk_request", version=version, index=index)
-        if (reply.header["version"], reply.header["index"]) != (version, index):
-            raise WireError(
-                f"asked for chunk {index} of version {version}, got chunk "
-                f"{reply.header['index']} of version {reply.header['version']}",
-                "order",
-            )
-        return reply.payload or b""
+        with closing(self.chunks(version, [index])) as answers:
+            return next(answers)[1]
 
-    def _ask(self, kind: str, **fields: Any) -> Message:
-        expected = "manifest" if kind == "manifest_request" else "chunk"
+    def chunks(self, version: int, indices: Iterable[int]) -> Iterator[tuple[int, memoryview]]:
+        """(index, bytes) for each of ``indices`` of ``version`` as the answers arrive (any
+        order), ``window`` requests in flight at most (class docstring)."""
+        todo = deque(indices)
         with self._lock:
-            self._rid += 1
-            rid = self._rid
+            asked: dict[int, int] = {}
             try:
-                self.sock.send_multipart(weight_message(kind, rid=rid, **fields), zmq.NOBLOCK)
-            except zmq.Again:
-                raise ConnectionError(
-                    f"the learner's weight port {self.address} takes no request"
-                ) from None
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.sock.poll(int(left * 1000)):
-                    raise ConnectionError(
-                        f"no answer from the learner's weight port {self.address} within "
-                        f"{self.timeout_s:.0f}s (asynchronous.weight_port)"
-                    )
-                reply = self._receive()
-                if reply is None:
-                    continue
-                if reply.header["rid"] != rid:
-                    self.rejected["order"] += 1
-                    log.warning("weights over the wire: skipped an answer to request %s "
-                                "(asked %s)", reply.header["rid"], rid)  # fmt: skip
-                    continue
-                if reply.kind == "weights_refused":
-                    raise WireError(f"the learner refused: {reply.header['detail']}", "version")
-                if reply.kind != expected:
-                    raise WireError(f"asked for a {expected}, got a {reply.kind}", "order")
-                return reply
+                while todo or asked:
+                    while todo and len(asked) < self.window:
+                        send = self._try_send if asked else self._send
+                        rid = send("chunk_request", version=version, index=todo[0])
+                        if rid is None:
+                            break  # its queue is full: asked again once an answer is in
+                        asked[rid] = todo.popleft()
+                    reply, data = self._await(asked, "chunk")
+                    index = asked.pop(reply.header["rid"])
+                    if (reply.header["version"], reply.header["index"]) != (version, index):
+                        raise WireError(
+                            f"asked for chunk {index} of version {version}, got chunk "
+                            f"{reply.header['index']} of version {reply.header['version']}",
+                            "order",
+                        )
+                    yield index, data
+            finally:
+                self._abandon(asked)
 
-    def _receive(self) -> Message | None:
-        frames = self.sock.recv_multipart()
+    def _ask(self, kind: str, **fields: Any) -> tuple[Message, memoryview | None]:
+        """One manifest request's answer."""
+        with self._lock:
+            asked = {self._send(kind, **fields): 0}
+            try:
+                return self._await(asked, "manifest")
+            finally:
+                self._abandon(asked)
+
+    def _send(self, kind: str, **fields: Any) -> int:
+        """Send one request; its ``rid``; a ``ConnectionError`` when libzmq cannot queue it
+        (no connection, a full queue)."""
+        rid = self._try_send(kind, **fields)
+        if rid is None:
+            raise ConnectionError(f"the learner's weight port {self.address} takes no request")
+        return rid
+
+    def _try_send(self, kind: str, **fields: Any) -> int | None:
+        """Send one request if libzmq can queue it now; its ``rid``, else None."""
+        self._rid += 1
         try:
-            message = decode(frames)
+            self.sock.send_multipart(weight_message(kind, rid=self._rid, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._rid
+
+    def _await(self, asked: dict[int, int], expected: str) -> tuple[Message, memoryview | None]:
+        """The next answer to one of ``asked`` (by ``rid``), within ``timeout_s``; that request
+        is then answered (taken out of ``asked`` when it is refused)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise ConnectionError(
+                    f"no answer from the learner's weight port {self.address} within "
+                    f"{self.timeout_s:.0f}s (asynchronous.weight_port)"
+                )
+            received = self._receive()
+            if received is None:
+                continue
+            reply, data = received
+            rid = reply.header["rid"]
+            if rid not in asked:
+                if rid in self._abandoned:
+                    del self._abandoned[rid]  # a late answer to a request given up on
+                    continue
+                self.rejected["order"] += 1
+                log.warning("weights over the wire: skipped an answer to request %s (asked %s)",
+                            rid, sorted(asked))  # fmt: skip
+                continue
+            if reply.kind == "weights_refused":
+                del asked[rid]
+                raise WireError(f"the learner refused: {reply.header['detail']}", "version")
+            if reply.kind != expected:
+                del asked[rid]
+                raise WireError(f"asked for a {expected}, got a {reply.kind}", "order")
+            return reply, data
+
+    def _abandon(self, asked: dict[int, int]) -> None:
+        for rid in asked:
+            self._abandoned[rid] = None
+        while len(self._abandoned) > _ABANDONED_KEPT:
+            self._abandoned.popitem(last=False)
+
+    def _receive(self) -> tuple[Message, memoryview | None] | None:
+        """The next answer and, for a chunk, a read-only view of its bytes (``decode`` checks
+        the frame count and header; the bytes are checked by their hash, not copied here)."""
+        frames = self.sock.recv_multipart(copy=False)
+        try:
+            message = decode([f.bytes for f in frames[:2]] + [b""] * len(frames[2:]))
         except MessageError as e:
             self.rejected["message"] += 1
             log.warning("weights over the wire: skipped an answer that does not decode: %s", e)
             return None
-        if message.kind not in ("manifest", "chunk", "weights_refused"):
+        if message.kind not in WEIGHT_REPLIES:
             self.rejected["message"] += 1
             log.warning("weights over the wire: skipped a %r message", message.kind)
             return None
-        return message
+        return message, frames[2].buffer.toreadonly() if message.kind == "chunk" else None
 
     def close(self) -> None:
         """Close the socket and its context."""

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 __all__ = [
     "LORA_SYNC",
     "apply_state",
+    "distinct_tensors",
     "is_peft",
     "load_tensors",
     "merged_model",
@@ -153,12 +154,13 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.merge_and_unload()
 
 
-def snapshot_tensors(
+def distinct_tensors(
     tensors: dict[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(fresh contiguous CPU copies, aliases): tensors sharing memory are copied once and the
-    other names recorded as ``{alias: stored name}``."""
-    stored: dict[str, torch.Tensor] = {}
+    """(the tensors, each memory once, uncopied; aliases): of tensors sharing memory (same
+    data pointer, shape and dtype) the first name is kept and the others recorded as
+    ``{alias: kept name}``."""
+    kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
     for key, value in tensors.items():
@@ -167,8 +169,17 @@ def snapshot_tensors(
             aliases[key] = seen[ident]
             continue
         seen[ident] = key
-        stored[key] = value.detach().to("cpu", copy=True).contiguous()
-    return stored, aliases
+        kept[key] = value.detach()
+    return kept, aliases
+
+
+def snapshot_tensors(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(fresh contiguous CPU copies, aliases): tensors sharing memory are copied once and the
+    other names recorded as ``{alias: stored name}`` (``distinct_tensors``)."""
+    kept, aliases = distinct_tensors(tensors)
+    return {k: v.to("cpu", copy=True).contiguous() for k, v in kept.items()}, aliases
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

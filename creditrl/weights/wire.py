@@ -2,28 +2,33 @@
 connection it already has (no shared disk), loaded only when complete, resumable after a
 dropped connection, never pickled.
 
-A publication (``publishable_state``: ``full``, ``merged`` or ``adapter`` tensors) is written
-as one safetensors byte string (tensors that share memory once, aliases in its metadata), cut
-into ``chunk_bytes`` pieces. Its ``Manifest`` names the version, kind, total size, the SHA-256
-of every chunk and the SHA-256 of those digests in order (the whole's: ``whole_digest``; the
-bytes are hashed once, chunk by chunk, and every chunk checked in place is the whole checked).
-The sampling side checks the manifest against its ``WireLimits`` and its whole digest before
-asking for a byte, and each chunk against its hash as it arrives (a bad one is dropped and
-asked for again); what it already holds survives a dropped connection, so the next
-``refresh`` asks only for the missing chunks.
+A publication (``publishable_state``: ``full``, ``merged`` or ``adapter`` tensors) is one
+safetensors buffer (``creditrl.weights.packing``: each tensor copied once, into place; tensors
+that share memory once, aliases in its metadata), cut into ``chunk_bytes`` pieces. Its
+``Manifest`` names the version, kind, total size, the SHA-256 of every chunk and the SHA-256 of
+those digests in order (the whole's: ``whole_digest``; the bytes are hashed once, chunk by
+chunk, and every chunk checked in place is the whole checked). Chunks are hashed on up to
+``HASH_THREADS`` threads on both sides (hashlib lets go of the GIL while it hashes). The
+sampling side checks the manifest against its ``WireLimits`` and its whole digest before asking
+for a byte, and each chunk against its hash as it arrives (a bad one is dropped and asked for
+again at the next ``load``), copying it into place in one buffer the size of the manifest;
+what it already holds survives a dropped connection, so the next ``refresh`` asks only for the
+missing chunks. The complete buffer is read as tensors that are views of it (its header
+checked: ``packing.unpack``), and copied once more, into the model.
 
-- ``WirePublisher`` (the learner's side): ``publish(model, version)`` encodes (with
-  ``background``: copies now, encodes in a thread) and keeps the newest ``keep``
-  publications; ``manifest(version)`` and ``chunk(version, index)`` serve them, at most
-  ``rate_bytes`` a second (``RateLimit``).
+- ``WirePublisher`` (the learner's side): ``publish(model, version)`` packs the weights (the
+  one copy, in the caller's thread) and hashes them (with ``background``: in a thread), and
+  keeps the newest ``keep`` publications; ``manifest(version)``, ``chunk(version, index)`` and
+  ``chunks(version, indices)`` serve them, at most ``rate_bytes`` a second (``RateLimit``).
 - ``WireChannel`` (the sampler's side): a ``WeightChannel`` over a ``WireSource`` (anything with
-  ``newest``, ``manifest`` and ``chunk``: the publisher itself in process, or the transport's
-  requests to it, ``creditrl.asynchronous.weight_server.WeightClient``). Whatever comes back
-  that is not what the publisher sends (a forged manifest, an answer to another request, a
-  version it did not ask for, a chunk or a whole failing its hash, tensors that do not fit the
-  model) is refused, counted by reason in ``rejected`` and logged; the model keeps the last
-  good weights. A source that does not answer (``ConnectionError``) loads nothing and is said
-  by ``unreadable()``.
+  ``newest``, ``manifest`` and ``chunk``, and optionally ``chunks``, which may keep a window of
+  requests in flight and answer in any order: the publisher itself in process, or the
+  transport's requests to it, ``creditrl.asynchronous.weight_server.WeightClient``). Whatever
+  comes back that is not what the publisher sends (a forged manifest, an answer to another
+  request, a version it did not ask for, a chunk or a whole failing its hash, a mutable
+  buffer, tensors that do not fit the model) is refused, counted by reason in ``rejected`` and
+  logged; the model keeps the last good weights. A source that does not answer
+  (``ConnectionError``) loads nothing and is said by ``unreadable()``.
 """
 
 from __future__ import annotations
@@ -31,24 +36,27 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.weights.background import OneInFlight
 from creditrl.weights.channel import WeightChannel
-from creditrl.weights.tensors import apply_state, is_peft, publishable_state, snapshot_tensors
+from creditrl.weights.packing import buffer, pack, unpack
+from creditrl.weights.tensors import apply_state, distinct_tensors, is_peft, publishable_state
 
 __all__ = [
+    "HASH_THREADS",
     "KINDS",
     "REFUSALS",
     "Manifest",
@@ -60,6 +68,7 @@ __all__ = [
     "WirePublisher",
     "WireSource",
     "check_fits",
+    "chunk_digests",
     "decode_publication",
     "encode_publication",
     "whole_digest",
@@ -73,13 +82,16 @@ REFUSALS = {
     "manifest": "a manifest that is not what a publisher sends (type, range, consistency)",
     "order": "an answer to another request than the one asked (late, or out of order)",
     "version": "a version other than the one asked for, or one the learner does not hold",
-    "size": "a message larger than the limits allow, or a chunk not of its manifest's size",
-    "checksum": "a chunk or a whole publication whose SHA-256 differs from its manifest's",
+    "size": "a message larger than the limits allow, a chunk not of its manifest's size, or a "
+    "publication too large to hold here",
+    "checksum": "a chunk or a whole publication whose SHA-256 differs from its manifest's, or "
+    "a chunk in a mutable buffer",
     "payload": "a complete publication that is not safetensors, or whose tensors do not fit",
     "message": "an answer that does not decode (frames, header fields, types)",
 }
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_HEADER_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=4, max_items=4_000_000)
+# threads that hash chunks (each side), and so chunks a sampler holds received but unchecked
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 _ALIAS_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=1, max_items=1_000_000)
 
 
@@ -162,14 +174,40 @@ def _count(fields: dict[str, Any], key: str, most: int) -> int:
     return value
 
 
-def _sha(data: bytes | memoryview) -> str:
+def _sha(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _hashed(fn: Callable[..., Any], jobs: list[Any]) -> list[Any]:
+    """``fn`` of each job, on up to ``HASH_THREADS`` threads (one job: this one), in order."""
+    if len(jobs) < 2 or HASH_THREADS == 1:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(jobs)), "wire-hash") as pool:
+        return list(pool.map(fn, jobs))
+
+
+def chunk_digests(data: bytes | bytearray | memoryview, chunk_bytes: int) -> tuple[str, ...]:
+    """The SHA-256 of each ``chunk_bytes`` piece of ``data`` in order (``HASH_THREADS`` at a
+    time)."""
+    view = memoryview(data).cast("B")
+    return tuple(
+        _hashed(_sha, [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)])
+    )
 
 
 def whole_digest(chunks: list[str] | tuple[str, ...]) -> str:
     """A publication's SHA-256: of its chunks' SHA-256 digests (32 bytes each), in order. With
     every chunk matching its digest, the whole matches it: one pass over the bytes, not two."""
     return _sha(b"".join(bytes.fromhex(c) for c in chunks))
+
+
+def _packed(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> memoryview:
+    return pack(tensors, {"aliases": json.dumps(aliases)}).toreadonly()
+
+
+def _manifest(kind: str, payload: memoryview, version: int, chunk_bytes: int) -> Manifest:
+    chunks = chunk_digests(payload, chunk_bytes)
+    return Manifest(int(version), kind, len(payload), whole_digest(chunks), chunk_bytes, chunks)
 
 
 def encode_publication(
@@ -179,32 +217,26 @@ def encode_publication(
     chunk_bytes: int = 8 << 20,
     *,
     aliases: dict[str, str] | None = None,
-) -> tuple[Manifest, bytes]:
-    """(manifest, payload): ``tensors`` as safetensors bytes (shared tensors once, aliases in
-    the metadata) cut into ``chunk_bytes`` pieces. With ``aliases``, ``tensors`` are already
-    ``snapshot_tensors``'s copies."""
+) -> tuple[Manifest, memoryview]:
+    """(manifest, payload): ``tensors`` as one safetensors buffer (shared tensors once, aliases
+    in the metadata; read-only) cut into ``chunk_bytes`` pieces. With ``aliases``, ``tensors``
+    are already ``distinct_tensors``'s."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    stored = tensors
     if aliases is None:
-        stored, aliases = snapshot_tensors(tensors)
-    payload = save_safetensors(stored, metadata={"aliases": json.dumps(aliases)})
-    view = memoryview(payload)
-    chunks = tuple(_sha(view[i : i + chunk_bytes]) for i in range(0, len(payload), chunk_bytes))
-    manifest = Manifest(int(version), kind, len(payload), whole_digest(chunks), chunk_bytes, chunks)
-    return manifest, payload
+        tensors, aliases = distinct_tensors(tensors)
+    payload = _packed(tensors, aliases)
+    return _manifest(kind, payload, version, chunk_bytes), payload
 
 
-def decode_publication(payload: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a complete payload (its hash already checked), aliases restored;
-    WireError if it is not safetensors or its alias table is not a bounded {name: name}."""
+def decode_publication(payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a complete payload (its hash already checked), aliases restored: views of
+    ``payload`` when it is writable (``packing.unpack``); WireError if it is not safetensors or
+    its alias table is not a bounded {name: name}."""
     try:
-        header_size = int.from_bytes(payload[:8], "little")
-        header = loads_bounded(payload[8 : 8 + header_size], _HEADER_LIMITS)
-        raw = (header.get("__metadata__") or {}).get("aliases", "{}")
-        aliases = loads_bounded(raw, _ALIAS_LIMITS)
-        tensors = load_safetensors(payload)
-    except Exception as e:  # a header over its bounds, safetensors' own errors
+        tensors, metadata = unpack(payload)
+        aliases = loads_bounded(metadata.get("aliases", "{}"), _ALIAS_LIMITS)
+    except ValueError as e:  # a header over its bounds or not as safetensors writes it
         why = f"the weight payload is not safetensors: {str(e)[:200]}"
         raise WireError(why, "payload") from None
     if not isinstance(aliases, dict) or not all(
@@ -217,37 +249,61 @@ def decode_publication(payload: bytes) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _immutable(data: Any) -> bool:
+    """``bytes``, or a read-only flat byte ``memoryview`` (a zero-copy frame): nothing can
+    change it between its hash check and its copy into place."""
+    if isinstance(data, bytes):
+        return True
+    return (isinstance(data, memoryview) and data.readonly and data.ndim == 1
+            and data.itemsize == 1 and data.c_contiguous)  # fmt: skip
+
+
 class WireAssembler:
-    """The chunks of one manifest as they arrive (any order, any number of connections):
-    ``add`` checks each against its hash, ``missing`` lists what is still needed,
-    ``payload`` is the whole once complete and its hash holds."""
+    """The chunks of one manifest as they arrive (any order, any number of connections or
+    threads): ``add`` checks each against its hash and copies it into place in one buffer of
+    the manifest's size (``packing.buffer``: none of it is read before all is written),
+    ``missing`` lists what is still needed, ``payload`` is that buffer once complete (its hash
+    then holds)."""
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._pieces: dict[int, bytes] = {}
+        try:
+            self._buffer = buffer(manifest.size)
+        except (MemoryError, RuntimeError):  # RuntimeError: torch's allocator
+            raise WireError(f"weight version {manifest.version}: {manifest.size} bytes cannot "
+                            "be held here", "size") from None  # fmt: skip
+        self._have: set[int] = set()
+        self._lock = threading.Lock()
         self.rejected = 0
 
     def missing(self) -> list[int]:
         """The chunk indices not yet received, in order."""
-        return [i for i in range(len(self.manifest.chunks)) if i not in self._pieces]
+        with self._lock:
+            return [i for i in range(len(self.manifest.chunks)) if i not in self._have]
 
-    def add(self, index: Any, data: Any) -> bool:
-        """Keep chunk ``index`` if it is one of the manifest's and matches its hash; False
-        (counted in ``rejected``) otherwise: it is asked for again."""
-        chunks = self.manifest.chunks
-        if type(index) is not int or not 0 <= index < len(chunks) or not isinstance(data, bytes):
-            self.rejected += 1
-            return False
-        expected = min(
+    def size(self, index: int) -> int:
+        """The byte count of chunk ``index`` (the last may be short)."""
+        return min(
             self.manifest.chunk_bytes, self.manifest.size - index * self.manifest.chunk_bytes
         )
-        if len(data) != expected or _sha(data) != chunks[index]:
-            self.rejected += 1
-            return False
-        self._pieces[index] = data
-        return True
 
-    def payload(self) -> bytes:
+    def add(self, index: Any, data: Any) -> bool:
+        """Keep chunk ``index`` if it is one of the manifest's, immutable (``bytes`` or a
+        read-only ``memoryview``) and matches its hash; False (counted in ``rejected``)
+        otherwise: it is asked for again. Thread-safe."""
+        chunks = self.manifest.chunks
+        ok = type(index) is int and 0 <= index < len(chunks) and _immutable(data)
+        if ok and len(data) == self.size(index) and _sha(data) == chunks[index]:
+            start = index * self.manifest.chunk_bytes
+            self._buffer[start : start + len(data)] = data
+            with self._lock:
+                self._have.add(index)
+            return True
+        with self._lock:
+            self.rejected += 1
+        return False
+
+    def payload(self) -> memoryview:
         """The whole publication, its chunks in order (each matched its digest, and the
         manifest's whole digest is theirs: ``Manifest.parse``); WireError if one is missing."""
         missing = self.missing()
@@ -255,7 +311,7 @@ class WireAssembler:
             raise WireError(
                 f"weight version {self.manifest.version}: {len(missing)} chunks missing", "size"
             )
-        return b"".join(self._pieces[i] for i in range(len(self.manifest.chunks)))
+        return self._buffer
 
 
 class RateLimit:
@@ -284,13 +340,29 @@ class RateLimit:
 
 class WireSource(Protocol):
     """Where a ``WireChannel`` fetches from (the publisher in process, or requests to it over
-    the transport; each call may raise ``ConnectionError`` when the connection drops)."""
+    the transport; each call may raise ``ConnectionError`` when the connection drops). A source
+    may also have ``chunks(version, indices)``: (index, bytes) for each of ``indices``, in the
+    order they arrive (``WeightClient``: a window of requests in flight); without it, the
+    channel calls ``chunk`` once per index."""
 
     def newest(self) -> int | None: ...
 
     def manifest(self, version: int) -> dict[str, Any]: ...
 
-    def chunk(self, version: int, index: int) -> bytes: ...
+    def chunk(self, version: int, index: int) -> bytes | memoryview: ...
+
+
+def _answers(
+    source: WireSource, version: int, indices: list[int]
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """(index, data) for each of ``indices``: ``source.chunks`` if it has one, else ``chunk``
+    one index at a time."""
+    many = getattr(source, "chunks", None)
+    if many is not None:
+        yield from many(version, indices)
+        return
+    for index in indices:
+        yield index, source.chunk(version, index)
 
 
 class WirePublisher:
@@ -300,32 +372,29 @@ class WirePublisher:
                  rate_bytes: float = 0.0) -> None:  # fmt: skip
         self.lora_sync, self.keep, self.chunk_bytes = lora_sync, max(int(keep), 1), chunk_bytes
         self.rate = RateLimit(rate_bytes)
-        self._held: OrderedDict[int, tuple[Manifest, bytes]] = OrderedDict()
+        self._held: OrderedDict[int, tuple[Manifest, bytes | memoryview]] = OrderedDict()
         self._lock = threading.Lock()
         self._job = OneInFlight("encoding weights for the wire failed")
 
     def publish(self, model: torch.nn.Module, version: int, *,
                 background: bool = False) -> Manifest | None:  # fmt: skip
-        """Encode ``model``'s weights (``lora_sync`` for a LoRA model) as ``version`` and
-        return its manifest; with ``background`` the weights are copied now and encoded by a
-        thread (None; ``wait()`` for it), one publication in flight at a time."""
+        """Pack ``model``'s weights (``lora_sync`` for a LoRA model) as ``version`` (the one
+        copy, here), hash them and return the manifest; with ``background`` the hashing is a
+        thread's (None; ``wait()`` for it), one publication in flight at a time."""
         self.wait()
         kind, tensors = publishable_state(model, self.lora_sync)
-        stored, aliases = snapshot_tensors(tensors)
+        payload = _packed(*distinct_tensors(tensors))
         if not background:
-            return self._encode(kind, stored, aliases, version)
-        self._job.run(self._encode, kind, stored, aliases, version)
+            return self._hold(kind, payload, version)
+        self._job.run(self._hold, kind, payload, version)
         return None
 
     def wait(self) -> None:
         """Block until the publication in flight (if any) is served, re-raising its error."""
         self._job.wait()
 
-    def _encode(self, kind: str, stored: dict[str, torch.Tensor], aliases: dict[str, str],
-                version: int) -> Manifest:  # fmt: skip
-        manifest, payload = encode_publication(
-            kind, stored, version, self.chunk_bytes, aliases=aliases
-        )
+    def _hold(self, kind: str, payload: memoryview, version: int) -> Manifest:
+        manifest = _manifest(kind, payload, version, self.chunk_bytes)
         with self._lock:
             self._held[manifest.version] = (manifest, payload)
             while len(self._held) > self.keep:
@@ -342,18 +411,23 @@ class WirePublisher:
     def chunk(self, version: int, index: int) -> bytes:
         return bytes(self.chunk_view(version, index))
 
+    def chunks(self, version: int, indices: Iterable[int]) -> Iterator[tuple[int, memoryview]]:
+        """(index, ``chunk_view``) for each of ``indices``, in order."""
+        for index in indices:
+            yield index, self.chunk_view(version, index)
+
     def chunk_view(self, version: int, index: int) -> memoryview:
-        """Chunk ``index`` of ``version`` without a copy (what the weight port sends), after the
-        rate limit let its bytes go."""
+        """Chunk ``index`` of ``version`` without a copy (read-only; what the weight port
+        sends), after the rate limit let its bytes go."""
         manifest, payload = self._get(version)
         if type(index) is not int or not 0 <= index < len(manifest.chunks):
             raise WireError(f"weight version {version} has no chunk {index!r}", "version")
         start = index * manifest.chunk_bytes
-        data = memoryview(payload)[start : start + manifest.chunk_bytes]
+        data = memoryview(payload).toreadonly()[start : start + manifest.chunk_bytes]
         self.rate.take(len(data))
         return data
 
-    def _get(self, version: int) -> tuple[Manifest, bytes]:
+    def _get(self, version: int) -> tuple[Manifest, bytes | memoryview]:
         with self._lock:
             held = self._held.get(version)
         if held is None:
@@ -448,15 +522,7 @@ class WireChannel(WeightChannel):
                     f"asked for weight version {newest}, got {manifest.version}", "version"
                 )
             pending = self._pending = WireAssembler(manifest)
-        manifest = pending.manifest
-        for index in pending.missing():
-            data = self.source.chunk(newest, index)
-            self.fetched += 1
-            size = min(manifest.chunk_bytes, manifest.size - index * manifest.chunk_bytes)
-            if not pending.add(index, data):
-                self.rejected["size" if len(data) != size else "checksum"] += 1
-                log.warning("weights over the wire: chunk %d of version %d refused (%s)",
-                            index, newest, "size" if len(data) != size else "checksum")  # fmt: skip
+        self._fetch(pending, newest)
         if pending.missing():
             return False  # rejected chunks: asked for again at the next call
         tensors = decode_publication(pending.payload())
@@ -464,3 +530,29 @@ class WireChannel(WeightChannel):
         check_fits(model, pending.manifest.kind, tensors)
         apply_state(model, pending.manifest.kind, tensors, f"weight version {newest} (wire)")
         return self._hold(newest, then)
+
+    def _fetch(self, pending: WireAssembler, version: int) -> None:
+        """Fetch ``pending``'s missing chunks, each checked and copied into place by one of
+        ``HASH_THREADS`` threads while the next ones arrive (at most ``2 * HASH_THREADS``
+        received and unchecked); what was checked stays when the source fails midway."""
+        checks: deque[tuple[int, int, Future[bool]]] = deque()
+        with ThreadPoolExecutor(HASH_THREADS, "wire-check") as pool:
+            try:
+                with closing(_answers(self.source, version, pending.missing())) as answers:
+                    for index, data in answers:
+                        self.fetched += 1
+                        checks.append((index, len(data), pool.submit(pending.add, index, data)))
+                        while len(checks) > 2 * HASH_THREADS:
+                            self._settle(pending, version, *checks.popleft())
+            finally:
+                while checks:
+                    self._settle(pending, version, *checks.popleft())
+
+    def _settle(self, pending: WireAssembler, version: int, index: int, size: int,
+                check: Future[bool]) -> None:  # fmt: skip
+        if check.result():
+            return
+        why = "checksum" if type(index) is int and size == pending.size(index) else "size"
+        self.rejected[why] += 1
+        log.warning("weights over the wire: chunk %r of version %d refused (%s)",
+                    index, version, why)  # fmt: skip
