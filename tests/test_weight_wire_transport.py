@@ -256,6 +256,7 @@ HOSTILE = {
     "a late answer to an earlier request first": (
         lambda f, h: _first(f, h, weight_message("chunk", b"x", rid=0, version=1, index=0)),
         "order"),
+    "a second answer to the first request": (lambda f, h: _first(f, h, f.honest(h)), "order"),
     "an answer that does not decode": (
         lambda f, h: _first(f, h, [b"creditrl.async/1", b"[1]"]), "message"),
     "a whole whose tensors do not fit": (None, "payload"),

@@ -341,11 +341,11 @@ class WeightClient:
 
     def newest(self) -> int | None:
         """The learner's newest published version (a short answer: asked at every refresh)."""
-        return self._ask("manifest_request", version=None)[0].header["newest"]
+        return self._ask("manifest_request", version=None).header["newest"]
 
     def manifest(self, version: int) -> dict[str, Any]:
         """Version ``version``'s manifest fields (checked by the ``WireChannel``)."""
-        manifest = self._ask("manifest_request", version=version)[0].header["manifest"]
+        manifest = self._ask("manifest_request", version=version).header["manifest"]
         if manifest is None:
             raise WireError(f"the learner sent no manifest for version {version}", "version")
         return manifest
@@ -381,12 +381,15 @@ class WeightClient:
             finally:
                 self._abandon(asked)
 
-    def _ask(self, kind: str, **fields: Any) -> tuple[Message, memoryview | None]:
+    def _ask(self, kind: str, **fields: Any) -> Message:
         """One manifest request's answer."""
         with self._lock:
-            asked = {self._send(kind, **fields): 0}
+            rid = self._send(kind, **fields)
+            asked = {rid: 0}
             try:
-                return self._await(asked, "manifest")
+                reply = self._await(asked, "manifest")[0]
+                del asked[rid]
+                return reply
             finally:
                 self._abandon(asked)
 
@@ -408,8 +411,9 @@ class WeightClient:
         return self._rid
 
     def _await(self, asked: dict[int, int], expected: str) -> tuple[Message, memoryview | None]:
-        """The next answer to one of ``asked`` (by ``rid``), within ``timeout_s``; that request
-        is then answered (taken out of ``asked`` when it is refused)."""
+        """The next answer to one of ``asked`` (by ``rid``), within ``timeout_s``, and a chunk's
+        bytes; a refused request is taken out of ``asked``, an answered one left to the
+        caller."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
