@@ -21,7 +21,11 @@ ray = pytest.importorskip("ray", reason="the Ray backend needs the 'ray' package
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="test")
+    """A cluster of its own (address="local"): without it ray.init joins a cluster already
+    running on this machine, such as test_ray_cluster's on the other test process, and
+    refuses num_cpus."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             _node_ip_address="127.0.0.1", namespace="test")  # fmt: skip
     yield
     ray.shutdown()
 

@@ -113,14 +113,19 @@ def test_a_sampler_that_cannot_see_the_learners_disk_trains_over_the_wire(tmp_pa
     assert f"learner: serving weights over the wire on tcp://127.0.0.1:{wport}" in learned
     sampled = _records(own / "state" / "s0" / "metrics.jsonl")
     versions = [r["sampler/weight_version"] for r in sampled]
-    assert sorted(set(versions)) == [0.0, 1.0, 2.0], versions  # each new version sampled
+    # each version trained on sampled; v3 too when it arrived before the learner's stop
+    assert sorted(set(versions)) in ([0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 3.0]), versions
     assert versions == sorted(versions)
     assert sampled[-1]["sampler/weights_chunks_fetched"] > 0
     assert all(r.get("sampler/weights_refused", 0) == 0 for r in sampled)
     trained = [r for r in _records(out / "metrics.jsonl") if "async/weight_version" in r]
     assert [r["async/weight_version"] for r in trained] == [1.0, 2.0, 3.0]
     assert all(r["async/staleness/mean"] == 0 for r in trained)  # trained on v0, v1, v2
-    assert trained[-1]["async/weights_chunks_sent"] == sampled[-1]["sampler/weights_chunks_fetched"]
+    # the chunks of v1 and v2 the sampler fetched were sent by the learner before its last step
+    # (v3's may still have been on their way when it logged that step)
+    before_v3 = max(r["sampler/weights_chunks_fetched"] for r in sampled
+                    if r["sampler/weight_version"] <= 2.0)  # fmt: skip
+    assert 0 < before_v3 <= trained[-1]["async/weights_chunks_sent"], (before_v3, trained[-1])
     box = own / "state" / "s0"
     produced = json.loads((box / "state.json").read_text())["next_seq"]
     acked = [json.loads(line)["seq"] for line in (box / "acks.jsonl").read_text().splitlines()]
