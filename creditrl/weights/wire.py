@@ -178,21 +178,15 @@ def _sha(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _hashed(fn: Callable[..., Any], jobs: list[Any]) -> list[Any]:
-    """``fn`` of each job, on up to ``HASH_THREADS`` threads (one job: this one), in order."""
-    if len(jobs) < 2 or HASH_THREADS == 1:
-        return [fn(job) for job in jobs]
-    with ThreadPoolExecutor(min(HASH_THREADS, len(jobs)), "wire-hash") as pool:
-        return list(pool.map(fn, jobs))
-
-
 def chunk_digests(data: bytes | bytearray | memoryview, chunk_bytes: int) -> tuple[str, ...]:
-    """The SHA-256 of each ``chunk_bytes`` piece of ``data`` in order (``HASH_THREADS`` at a
-    time)."""
+    """The SHA-256 of each ``chunk_bytes`` piece of ``data`` in order, ``HASH_THREADS`` at a
+    time."""
     view = memoryview(data).cast("B")
-    return tuple(
-        _hashed(_sha, [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)])
-    )
+    pieces = [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
+    if len(pieces) < 2 or HASH_THREADS == 1:
+        return tuple(_sha(piece) for piece in pieces)
+    with ThreadPoolExecutor(min(HASH_THREADS, len(pieces)), "wire-hash") as pool:
+        return tuple(pool.map(_sha, pieces))
 
 
 def whole_digest(chunks: list[str] | tuple[str, ...]) -> str:
