@@ -192,7 +192,8 @@ def rollout_part(args, device: torch.device, results: dict) -> list[str]:
                 f"{ratio:.2f} | {peak} |"
             )
         if name == "SmolLM2-135M":
-            exact = exactness(model, device, config.vocab_size, cache)
+            size = (8, 32) if args.dry_run else (32, 128)
+            exact = exactness(model, device, config.vocab_size, cache, *size)
         del model, engine
         reset_peak(device)
     return [*lines, "", *exact]
@@ -221,24 +222,27 @@ def rollout_times(args, device: torch.device, model, engine, prompts: Batch) -> 
     return hf_s, ours_s, graph, peak
 
 
-def exactness(model, device: torch.device, vocab: int, cache: str) -> list[str]:
+def exactness(
+    model, device: torch.device, vocab: int, cache: str, rows: int = 32, tokens: int = 128
+) -> list[str]:
     """The graph path against the eager paths (same weights and seed): the static cache run
     eagerly, and the dynamic cache (rows leave as they finish); and its log-probs against
-    teacher-forced forwards in float32 and bf16; 32 rows x 128 tokens."""
-    prompts = prompt_batch(32, 32, vocab)
-    graphed = engine_for(model, 32, 128, cache)
+    teacher-forced forwards in float32 and bf16; ``rows`` x ``tokens`` (a dry run: fewer)."""
+    prompts = prompt_batch(rows, 32, vocab)
+    graphed = engine_for(model, rows, tokens, cache)
     out = graphed.generate(prompts, seed=5)
-    eager_static = engine_for(model, 32, 128, cache)
-    eager_static._static = [StaticDecoder(model, 32, graphed._cache_keyword, PAD, graph=False)]
-    lines = ["Exactness (SmolLM2-135M shape, 32 rows x 128 tokens, same seed):", ""]
+    eager_static = engine_for(model, rows, tokens, cache)
+    eager_static._static = [StaticDecoder(model, rows, graphed._cache_keyword, PAD, graph=False)]
+    lines = [f"Exactness (SmolLM2-135M shape, {rows} rows x {tokens} tokens, same seed):", ""]
     for name, engine in (("static cache, eager", eager_static), ("dynamic cache", None)):
-        engine = engine or engine_for(model, 32, 128, "dynamic")
+        engine = engine or engine_for(model, rows, tokens, "dynamic")
         eager = engine.generate(prompts, seed=5)
         same = (out["responses"] == eager["responses"]).long().cumprod(1).bool()
         diff = (out["rollout_log_probs"] - eager["rollout_log_probs"]).abs()[same]
         lines.append(
             f"- the graph's tokens against the eager path's ({name}): equal up to the first "
-            f"difference on {same.float().mean():.1%} of positions ({int(same.all(1).sum())}/32"
+            f"difference on {same.float().mean():.1%} of positions "
+            f"({int(same.all(1).sum())}/{rows}"
             f" rows entirely); log-probs there within {diff.max():.2e} (mean {diff.mean():.2e})"
         )
     inputs = {k: out[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
@@ -246,7 +250,7 @@ def exactness(model, device: torch.device, vocab: int, cache: str) -> list[str]:
     for dtype in (torch.float32, torch.bfloat16):
         reference = model.to(dtype)
         with torch.inference_mode():
-            logits = reference(**inputs).logits[:, -129:-1].float()
+            logits = reference(**inputs).logits[:, -tokens - 1 : -1].float()
         teacher = logits.log_softmax(-1).gather(-1, labels).squeeze(-1).cpu()
         gap = (out["rollout_log_probs"] - teacher).abs()
         lines.append(
