@@ -23,7 +23,13 @@ from creditrl.asynchronous.transport import (
     make_curve_keys,
     sampler_curve_keys,
 )
-from creditrl.asynchronous.weight_server import WINDOW, WeightClient, WeightServer, weight_port
+from creditrl.asynchronous.weight_server import (
+    WINDOW,
+    WeightClient,
+    WeightServer,
+    weight_port,
+    weight_timeout_s,
+)
 from creditrl.config import load_config
 from creditrl.config.schema import AsyncConfig
 from creditrl.errors import ConfigError
@@ -529,6 +535,14 @@ def test_the_weight_port_follows_the_episodes_port() -> None:
     assert weight_port(AsyncConfig(), 5557) == 5558
     assert weight_port(AsyncConfig(weight_port=6000), 5557) == 6000
     assert weight_port(AsyncConfig(), 0) == 0  # a free one, said by the learner
+
+
+def test_a_sampler_waits_for_every_chunk_asked_for_ahead_of_its_next_answer() -> None:
+    """Under a rate limit of one chunk a second, the next answer may wait for the WINDOW
+    chunks each of the 3 samplers has in flight, and the one being sent: 13 s, plus ping_s."""
+    assert weight_timeout_s(AsyncConfig(ping_s=5.0)) == 5.0  # no rate limit
+    rated = AsyncConfig(ping_s=5.0, num_samplers=3, weight_rate_mb=8.0)
+    assert weight_timeout_s(rated) == pytest.approx(5.0 + 3 * WINDOW + 1)
 
 
 def test_a_channel_chosen_later_loads_nothing_until_chosen() -> None:
