@@ -113,16 +113,15 @@ def fake_actor_class():
 
 
 def supervise_fakes(learner: str, sampler: str, grace_s: float = 5.0):
-    """(code, seconds, console text, [learner run, sampler run]) of supervising two fakes."""
+    """(code, console text, [learner run, sampler run]) of supervising two fakes."""
     remote = fake_actor_class()
     runs = []
     for role, behaviour in (("learner", learner), ("sampler", sampler)):
         actor = remote.remote(behaviour)
         runs.append(ActorRun(role, 0, actor, actor.run.remote()))
     out = io.StringIO()
-    began = time.monotonic()
     code = supervise_actors(runs[:1], runs[1:], Console(file=out, width=300), grace_s, 0.05)
-    return code, time.monotonic() - began, out.getvalue(), runs
+    return code, out.getvalue(), runs
 
 
 def killed(run: ActorRun) -> bool:
@@ -137,7 +136,7 @@ def killed(run: ActorRun) -> bool:
 def test_supervise_actors_names_a_failed_sampler_and_kills_the_learner(two_nodes) -> None:
     """A sampler actor answering code 1 ends the run at once with code 1, naming it, its error
     and its last lines; the learner actor (still busy) is killed."""
-    code, _, text, runs = supervise_fakes("sleep", "fail")
+    code, text, runs = supervise_fakes("sleep", "fail")
     assert code == 1, text
     assert "async: sampler 0 (s0) failed with code 1: FileExistsError: /x exists" in text
     assert "  | FileExistsError: /x exists" in text
@@ -148,21 +147,30 @@ def test_supervise_actors_names_a_failed_sampler_and_kills_the_learner(two_nodes
 def test_supervise_actors_reports_a_dead_or_raising_actor(two_nodes) -> None:
     """A sampler whose process dies: code 1, "died" and the Ray error named. A learner rank
     whose call raises: code 1 with the exception's type and message; the sampler is killed."""
-    code, _, text, _ = supervise_fakes("sleep", "die")
+    code, text, _ = supervise_fakes("sleep", "die")
     assert code == 1, text
     assert re.search(r"async: sampler 0 \(s0\) died \(\w*ActorDiedError", text), text
-    code, _, text, runs = supervise_fakes("raise", "sleep")
+    code, text, runs = supervise_fakes("raise", "sleep")
     assert code == 1, text
     assert "async: learner rank 0 raised RuntimeError: out of memory" in text, text
     assert killed(runs[1])
 
 
-def test_supervise_actors_ends_when_the_learner_finishes(two_nodes) -> None:
+def test_supervise_actors_ends_when_the_learner_finishes(two_nodes, monkeypatch) -> None:
     """Learner rank 0 finishing: code 0 and nothing reported, even when a sampler does not stop
-    (it is killed after grace_s)."""
-    code, seconds, text, runs = supervise_fakes("ok", "sleep", grace_s=1.0)
-    assert code == 0 and seconds >= 1.0 and "stopping the run" not in text
-    assert killed(runs[1])
+    (it is waited for grace_s, for all that is pending, then killed)."""
+    waits: list[tuple[int, float | None]] = []
+    wait = ray.wait
+
+    def counted(refs, *, num_returns=1, timeout=None, **kwargs):
+        waits.append((num_returns, timeout))
+        return wait(refs, num_returns=num_returns, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(ray, "wait", counted)
+    code, text, runs = supervise_fakes("ok", "sleep", grace_s=1.0)
+    assert code == 0 and "stopping the run" not in text
+    assert waits[-1] == (1, 1.0)  # the sampler's run, still pending, given grace_s
+    assert not runs[1].done and killed(runs[1])
 
 
 def test_learner_host_needs_curve_or_allow_insecure_off_loopback() -> None:
