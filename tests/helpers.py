@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from creditrl.asynchronous.messages import group_of
+from creditrl.asynchronous.messages import Message, decode, group_of
 from creditrl.batch import Batch
 from creditrl.cli import main
 from creditrl.config import ActorConfig
@@ -444,3 +444,16 @@ def restore_registries(monkeypatch: Any, *registries: Any) -> None:
     for registry in registries:
         for attr in ("_paths", "_loaded", "_info", "_first"):
             monkeypatch.setattr(registry, attr, dict(getattr(registry, attr)))
+
+
+class Recorder:
+    """A stand-in for the learner's socket: keeps what is sent."""
+
+    address = "stand-in"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Message]] = []
+
+    def send(self, sampler_id: str, frames: list[bytes]) -> bool:
+        self.sent.append((sampler_id, decode(frames)))
+        return True

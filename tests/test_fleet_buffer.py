@@ -6,29 +6,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import synthetic_group
+from helpers import Recorder, synthetic_group
 from rich.console import Console
 
-from creditrl.asynchronous.messages import Message, decode, episodes_message
+from creditrl.asynchronous.messages import decode, episodes_message
 from creditrl.asynchronous.receiver import BUFFER_GROWTH, GroupReceiver
 from creditrl.asynchronous.settings import inflight_groups, max_buffered_bytes
 from creditrl.asynchronous.validation import max_group_bytes
 from creditrl.config import load_config
 
 PER_SAMPLER = 3  # unacknowledged groups per sampler in this test's run
-
-
-class Recorder:
-    """A stand-in for the learner's socket: keeps what is sent."""
-
-    address = "stand-in"
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Message]] = []
-
-    def send(self, sampler_id: str, frames: list[bytes]) -> bool:
-        self.sent.append((sampler_id, decode(frames)))
-        return True
 
 
 class Receiver(GroupReceiver):

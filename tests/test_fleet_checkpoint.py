@@ -4,7 +4,7 @@ checked when read back (a checkpoint is a file), continued by the resumed learne
 from pathlib import Path
 
 import pytest
-from helpers import tiny_learner_config
+from helpers import Recorder, tiny_learner_config
 
 from creditrl.asynchronous.fleet import MAX_SAVED, Fleet
 from creditrl.asynchronous.learner import Learner
@@ -18,19 +18,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Recorder:
-    """A stand-in for the learner's socket: keeps what is sent."""
-
-    address = "stand-in"
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Message]] = []
-
-    def send(self, sampler_id: str, frames: list[bytes]) -> bool:
-        self.sent.append((sampler_id, decode(frames)))
-        return True
 
 
 def _hello(sampler_id: str, started: str) -> Message:
