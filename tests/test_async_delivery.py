@@ -68,6 +68,23 @@ def test_outbox_survives_reopening(tmp_path: Path) -> None:
     assert not list(reopened.groups.glob(".*"))
 
 
+def test_outbox_drops_a_group_whose_ack_was_logged_before_a_kill(tmp_path: Path) -> None:
+    """A kill between ``ack``'s log line and its rename left the group pending: reopening
+    drops it (the learner consumed it) instead of resending it for a second, duplicate line."""
+    box = Outbox(tmp_path, "s0")
+    group = Batch({"x": torch.arange(2)}, {"episode_id": ["s0:0:0", "s0:0:1"]}, {"k": 1})
+    assert [box.put(group), box.put(group), box.put(group)] == [0, 1, 2]
+    box.save_state(None)
+    assert box.ack(0, "trained")
+    with box.acks_path.open("a") as f:  # ack(1, ...) cut short after its log line
+        f.write(json.dumps({"seq": 1, "status": "trained"}) + "\n")
+    (box.groups / ".acked-0000000002").mkdir()  # a kill between a rename and its rmtree
+    reopened = Outbox(tmp_path, "s0")
+    assert reopened.pending() == [2] and reopened.next_seq == 3
+    assert [a["seq"] for a in reopened.acknowledged()] == [0, 1]
+    assert not list(reopened.groups.glob(".*"))
+
+
 # ---- processes --------------------------------------------------------------------------
 
 

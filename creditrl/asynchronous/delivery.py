@@ -157,6 +157,19 @@ class Outbox:
         self.data_state: dict[str, Any] | None = state.get("data")
         for stale in self.groups.glob(".*"):  # temp dirs of a save cut short by a kill
             shutil.rmtree(stale, ignore_errors=True)
+        if pending:
+            self._finish_acks_cut_short(pending)
+
+    def _finish_acks_cut_short(self, pending: list[int]) -> None:
+        """Drop the pending groups whose acknowledgement ``acks.jsonl`` already logs (a kill
+        between ``ack``'s log line and its rename): the learner consumed them, so resending
+        would only earn a second, ``duplicate`` line for the same seq."""
+        acked = {row.get("seq") for row in self.acknowledged() if isinstance(row, dict)}
+        for seq in pending:
+            if seq in acked:
+                doomed = self.groups / f".acked-{seq:010d}"
+                os.replace(self._path(seq), doomed)
+                shutil.rmtree(doomed)
 
     def _path(self, seq: int) -> Path:
         return self.groups / f"{seq:010d}"
@@ -180,8 +193,8 @@ class Outbox:
         """Drop group ``seq`` (acknowledged with ``status``); False if it was not pending.
 
         The acknowledgement is logged first, then the group leaves ``pending`` by one atomic
-        rename, then its files are deleted: a kill at any point leaves the group either whole
-        and pending (resent; the learner answers ``duplicate``) or gone."""
+        rename, then its files are deleted: a kill at any point leaves the group either gone or
+        whole, pending and logged, and reopening the outbox drops it then (never resent)."""
         path = self._path(seq)
         if not path.exists():
             return False
