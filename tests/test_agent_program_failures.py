@@ -3,6 +3,7 @@ failure is a scored, counted episode, never the end of a run."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -415,3 +416,33 @@ def test_a_non_loopback_endpoint_host_needs_the_opt_in(tmp_path: Path, host: str
     assert cfg.agent.endpoint_host == host
     for loopback in ("127.0.0.1", "::1", "localhost"):
         assert program_config(tmp_path, "two_turns", f"agent.endpoint_host={loopback}")
+
+
+def test_an_abandoned_episode_coroutine_closes_without_awaiting() -> None:
+    """An abandoned episode's loop is stopped and closed with its coroutine unfinished; when
+    that coroutine is discarded (GeneratorExit) it must not await the client's close on no
+    loop (which raised, and surfaced as an unraisable-exception warning)."""
+    import types
+
+    from creditrl.agents.program import ProgramRollout
+
+    blocked = asyncio.Event()
+
+    async def program(row, client):
+        await blocked.wait()
+
+    rollout = object.__new__(ProgramRollout)
+    rollout.endpoint = types.SimpleNamespace(
+        base_url=lambda name: "http://127.0.0.1:9/v1", key="k", http_client=lambda: None
+    )
+    rollout.cfg = types.SimpleNamespace(episode_timeout_s=5.0)
+    rollout.program, rollout.live = program, {}
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(rollout._episode("t0", {}))
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # the episode now waits on the event, as a blocked program would
+        coro = task.get_coro()
+    finally:
+        loop.close()
+    coro.close()  # raised before: the finally block awaited client.close() with no loop

@@ -276,6 +276,7 @@ class ProgramRollout(EngineRollout):
             base_url=endpoint.base_url(name), api_key=endpoint.key, max_retries=0,
             timeout=self.cfg.episode_timeout_s, http_client=endpoint.http_client(),
         )  # fmt: skip
+        discarded = False
         try:
             return await self.program(row, client)
         except BadRequestError:
@@ -283,8 +284,12 @@ class ProgramRollout(EngineRollout):
             if entry is not None and entry[1].length_refusals:
                 return _TRUNCATED  # the budget ran out: scored on what it holds, trained on
             raise
+        except GeneratorExit:  # an abandoned episode's coroutine, closed with no loop to await on
+            discarded = True
+            raise
         finally:
-            await client.close()
+            if not discarded:
+                await client.close()
 
     # ---- one request ---------------------------------------------------------------------
 
