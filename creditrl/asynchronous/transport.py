@@ -13,7 +13,8 @@ frame and lets go of every frame past the three a message may have without copyi
 vanishing. Every socket has send and receive high-water marks of ``hwm`` messages, so a slow
 learner blocks its samplers (back-pressure) instead of growing memory without bound.
 
-Heartbeats (``heartbeat_s``): each socket sends a ZeroMQ PING on every connection that often,
+Heartbeats (``heartbeat_s``): each socket (the weight port's too) sends a ZeroMQ PING on every
+connection that often,
 and drops a connection that brings nothing (no frame, no PONG) for ``HEARTBEAT_MISSES`` of them
 after a PING, as if it had closed: a peer whose machine vanished or whose process stopped,
 its TCP connection never closed, is dropped like one that exited (the learner's monitor counts
@@ -69,6 +70,7 @@ __all__ = [
     "make_curve_keys",
     "sampler_curve_keys",
     "server_curve_keys",
+    "set_heartbeats",
     "start_authenticator",
     "uses_curve",
 ]
@@ -236,16 +238,22 @@ def heartbeat_ms(cfg: AsyncConfig) -> tuple[int, int]:
     return interval, HEARTBEAT_MISSES * interval
 
 
+def set_heartbeats(sock: zmq.Socket, cfg: AsyncConfig) -> None:
+    """Turn on ``sock``'s ZeroMQ heartbeats (``heartbeat_ms``; module docstring): the episodes'
+    sockets and the weight port's (``weight_server``) both."""
+    interval, timeout = heartbeat_ms(cfg)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+
+
 def _configure(sock: zmq.Socket, cfg: AsyncConfig) -> None:
-    """High-water marks of ``hwm`` messages, no linger, and heartbeats (``heartbeat_ms``)."""
+    """High-water marks of ``hwm`` messages, no linger, and heartbeats (``set_heartbeats``)."""
     if cfg.hwm < 1:
         raise ValueError(f"asynchronous.hwm must be >= 1, got {cfg.hwm}")
-    interval, timeout = heartbeat_ms(cfg)
     sock.setsockopt(zmq.SNDHWM, cfg.hwm)
     sock.setsockopt(zmq.RCVHWM, cfg.hwm)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+    set_heartbeats(sock, cfg)
 
 
 class LearnerSocket:

@@ -9,8 +9,13 @@ a DEALER socket, ``manifest_request`` then ``chunk_request`` per chunk
 (so the learner sends the next chunks while the sampler checks the last; each answer matched to
 its request by ``rid``, in any order), and waits ``weight_timeout_s`` for each next answer;
 what it cannot use is refused and counted (``rejected``), and its ``WireChannel`` keeps the
-last good weights. A chunk travels without a copy in Python on either side: the server sends a
-view of the publication, the client hands on a read-only view of the frame it received.
+last good weights. Both sockets keep ``asynchronous.heartbeat_s``'s heartbeats
+(``transport.set_heartbeats``): the learner drops a vanished sampler's connection and the
+answers queued for it, and a sampler whose learner vanished (its TCP connection never closed)
+drops the connection and reconnects once the learner answers again; a single chunk must cross
+within the heartbeat timeout. A chunk travels without a copy in Python on either side: the
+server sends a view of the publication, the client hands on a read-only view of the frame it
+received.
 
 Bounds: a request is at most ``_MAX_REQUEST`` bytes (libzmq's ``MAXMSGSIZE``: a larger one
 disconnects its sender unread); an answer at most the sampler's ``WireLimits.max_chunk_bytes``
@@ -49,6 +54,7 @@ from creditrl.asynchronous.transport import (
     endpoint,
     sampler_curve_keys,
     server_curve_keys,
+    set_heartbeats,
     start_authenticator,
 )
 from creditrl.config import Config
@@ -147,6 +153,7 @@ class WeightServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        set_heartbeats(self.sock, cfg)
         keys = server_curve_keys(cfg)
         try:
             if keys is not None:
@@ -331,6 +338,7 @@ class WeightClient:
         self.sock.setsockopt(zmq.RCVHWM, 2 * window + 2)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_chunk_bytes + _HEADER_SLACK)
         self.sock.setsockopt(zmq.IDENTITY, f"{sampler_id}.w".encode())
+        set_heartbeats(self.sock, cfg)
         keys = sampler_curve_keys(cfg)
         if keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
