@@ -135,3 +135,14 @@ def test_a_heartbeat_libzmq_cannot_keep_is_refused_at_load(value: str) -> None:
     with pytest.raises(ValueError, match=r"heartbeat_s must be in \[0.1, 3600\]"):
         heartbeat_ms(AsyncConfig(heartbeat_s=float(value)))
     assert load_config(overrides=["asynchronous.heartbeat_s=0.1"]).asynchronous.heartbeat_s == 0.1
+
+
+def test_the_docs_say_the_heartbeats_a_peer_may_miss() -> None:
+    """The key's note, its docstring (docs/config.md) and the README say ``HEARTBEAT_MISSES``:
+    the one number libzmq's timeout is built from."""
+    root = Path(__file__).resolve().parents[1]
+    config_md = (root / "docs" / "config.md").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"within {HEARTBEAT_MISSES} of them" in config_md
+    assert f"a peer silent {HEARTBEAT_MISSES} heartbeats is dropped" in config_md
+    assert f"once it leaves {HEARTBEAT_MISSES} of them unanswered" in readme

@@ -54,7 +54,7 @@ from zmq.utils.z85 import Z85CHARS
 from creditrl.asynchronous.messages import Message, MessageError, check_sampler_id, decode
 from creditrl.asynchronous.validation import DEFAULT_JSON_LIMITS
 from creditrl.bounded_json import JsonLimits
-from creditrl.config.schema import HEARTBEAT, AsyncConfig
+from creditrl.config.schema import HEARTBEAT, HEARTBEAT_MISSES, AsyncConfig
 from creditrl.errors import ConfigError
 from creditrl.hosts import is_loopback, url_host
 
@@ -81,7 +81,6 @@ CURVE_ENV = ("CREDITRL_CURVE_SERVER_PUBLIC", "CREDITRL_CURVE_SECRET")
 LEARNER_CURVE_ENV = ("CREDITRL_CURVE_SERVER_SECRET", "CREDITRL_CURVE_AUTHORIZED")
 _MAX_AUTHORIZED = 4096  # sampler public keys the learner's environment may list
 _Z85 = frozenset(Z85CHARS.decode())
-HEARTBEAT_MISSES = 3  # heartbeats a peer may leave unanswered before it is dropped
 
 
 def endpoint(host: str, port: int) -> str:

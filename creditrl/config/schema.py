@@ -35,8 +35,13 @@ ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
 """What happens to a rollout importance weight above its threshold."""
 TEMPERATURE_NOTE = "training samples; rollout.val_temperature=0 is greedy validation"
-HEARTBEAT = Range(0.1, 3600, note="to the millisecond; a group must cross within 3 of them")
-"""``asynchronous.heartbeat_s``: libzmq's interval is whole milliseconds, its timeout 3 of them."""
+HEARTBEAT_MISSES = 3
+"""Heartbeats a ZeroMQ peer may leave unanswered before it is dropped (``transport``)."""
+HEARTBEAT = Range(
+    0.1, 3600, note=f"to the millisecond; a group must cross within {HEARTBEAT_MISSES} of them"
+)
+"""``asynchronous.heartbeat_s``: libzmq's interval is whole milliseconds, its timeout
+``HEARTBEAT_MISSES`` of them."""
 
 
 @dataclass
