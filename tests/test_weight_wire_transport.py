@@ -565,7 +565,8 @@ def test_a_wire_error_names_its_reason() -> None:
 def test_auto_takes_the_folder_it_sees_else_the_wire_the_learner_serves(tmp_path: Path) -> None:
     """weight_channel=auto, said in one line: the learner's weight folder with its run lock
     visible -> the folder; hidden, with a learner serving the wire (a host that is not
-    loopback) -> the wire; hidden on loopback (the learner serves no wire) -> the folder."""
+    loopback) -> the wire; hidden on loopback (the learner serves no wire) -> the folder, with
+    the key that would take the wire."""
     from creditrl.asynchronous.weight_server import choose_channel
     from creditrl.run_lock import LOCK_NAME
     from creditrl.weights import FolderChannel
@@ -590,8 +591,14 @@ def test_auto_takes_the_folder_it_sees_else_the_wire_the_learner_serves(tmp_path
     assert said == [f"sampler s0: weights over the wire from tcp://192.0.2.1:5558 "
                     f"(asynchronous.weight_channel=auto: {tmp_path / 'hidden' / 'weights'} "
                     "cannot be read here)"]  # fmt: skip
-    channel, _ = chosen(tmp_path / "hidden")
+    channel, said = chosen(tmp_path / "hidden")
     assert isinstance(channel, FolderChannel)
+    hidden = tmp_path / "hidden" / "weights"
+    assert said == [
+        f"sampler s0: weights from the folder {hidden} (asynchronous.weight_channel=auto: "
+        f"{hidden} cannot be read here, and a learner on 127.0.0.1 serves no wire; set "
+        "asynchronous.weight_channel=wire on the learner and its samplers)"
+    ]
     channel, said = chosen(tmp_path / "seen", "asynchronous.weight_channel=wire")
     assert isinstance(channel, WireChannel) and said[0].endswith("weight_channel=wire)")
 

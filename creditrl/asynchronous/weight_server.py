@@ -515,8 +515,12 @@ def choose_channel(
     hidden = folder_visible(cfg) if a.weight_channel == "auto" else "set"
     if hidden is None or not serves_wire(cfg):
         channel.choose(weight_channel(cfg))
+        why = a.weight_channel
+        if hidden is not None:  # auto, the folder hidden, a loopback learner serving no wire
+            why += (f": {hidden}, and a learner on {a.host} serves no wire; set "
+                    "asynchronous.weight_channel=wire on the learner and its samplers")  # fmt: skip
         say(f"sampler {sampler_id}: weights from the folder {weight_root(cfg)} "
-            f"(asynchronous.weight_channel={a.weight_channel})")  # fmt: skip
+            f"(asynchronous.weight_channel={why})")  # fmt: skip
         return None
     client = WeightClient(a, sampler_id, endpoint(a.host, weight_port(a, port)))
     channel.choose(WireChannel(client))
