@@ -46,6 +46,7 @@ from creditrl.asynchronous.launcher import free_port
 from creditrl.asynchronous.weight_server import WeightClient, WeightServer
 from creditrl.config.schema import AsyncConfig
 from creditrl.weights import FolderChannel, WireChannel, WirePublisher
+from creditrl.weights.hashing import HASHES, wire_hash
 
 EXPLAINED = """\
 What the wire pays for: the version's safetensors bytes packed in memory (one copy), every byte
@@ -90,7 +91,9 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(tiny: bool, lora: bool, repeats: int) -> dict[str, list[float] | int]:
+def run(
+    tiny: bool, lora: bool, repeats: int, hash_name: str | None
+) -> dict[str, list[float] | int]:
     learner, sampler = build_models(tiny, lora)
     sync = "adapter" if lora else "merged"
     out: dict[str, list[float] | int] = {k: [] for k in (
@@ -98,7 +101,7 @@ def run(tiny: bool, lora: bool, repeats: int) -> dict[str, list[float] | int]:
     with tempfile.TemporaryDirectory() as tmp:
         folder_pub = FolderChannel(Path(tmp) / "w", publish=True, keep=2, lora_sync=sync)
         folder_sub = FolderChannel(Path(tmp) / "w")
-        wire_pub = WirePublisher(lora_sync=sync, keep=2)
+        wire_pub = WirePublisher(lora_sync=sync, keep=2, hash_name=hash_name)
         server = WeightServer(AsyncConfig(), wire_pub, free_port())
         client = WeightClient(AsyncConfig(), "s0", server.address, timeout_s=120.0)
         wire_sub = WireChannel(client)
@@ -121,6 +124,7 @@ def run(tiny: bool, lora: bool, repeats: int) -> dict[str, list[float] | int]:
             manifest = wire_pub.manifest(wire_pub.newest())
             out["bytes"] = manifest["size"]
             out["chunks"] = len(manifest["chunks"])
+            out["hash"] = manifest["hash"]
         finally:
             client.close()
             server.close()
@@ -133,19 +137,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--hash",
+        choices=HASHES,
+        default=None,
+        help="the wire's hash (default: the one this CPU's flags choose)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the table here (Markdown)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    hash_name = args.hash or wire_hash()[0]
     lines = [
-        f"cpu: {cpu_flags()}; torch threads {args.threads}; {args.repeats} versions per channel",
+        f"cpu: {cpu_flags()}; torch threads {args.threads}; {args.repeats} versions per channel; "
+        f"wire hash {hash_name}{'' if args.hash else f' ({wire_hash()[1]})'}",
         f"command: python benchmarks/weight_transfer.py --repeats {args.repeats} "
-        f"--threads {args.threads}{' --tiny' if args.tiny else ''}",
+        f"--threads {args.threads}{' --tiny' if args.tiny else ''}"
+        f"{f' --hash {args.hash}' if args.hash else ''}",
         "",
         "| publication | MB | channel | s/version (median) | publish | load | wire / folder |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, lora in (("fp32 full", False), ("LoRA adapter (r=32)", True)):
-        r = run(args.tiny, lora, args.repeats)
+        r = run(args.tiny, lora, args.repeats, hash_name)
         total = {c: [p + q for p, q in zip(r[f"{c}_publish"], r[f"{c}_load"], strict=True)]
                  for c in ("folder", "wire")}  # fmt: skip
         ratio = statistics.median(w / f for w, f in zip(total["wire"], total["folder"],
@@ -158,7 +171,7 @@ def main() -> None:
                 f"{statistics.median(r[f'{c}_load']):.3f} | "
                 f"{f'{ratio:.2f}' if c == 'wire' else ''} |"
             )
-        print(f"{label}: {r['chunks']} chunks", file=sys.stderr)
+        print(f"{label}: {r['chunks']} chunks, {r['hash']}", file=sys.stderr)
     text = "\n".join(lines)
     print(text)
     if args.out is not None:

@@ -120,12 +120,15 @@ def test_a_newer_version_replaces_a_half_fetched_one() -> None:
         ({"size": True}, "size is not an integer"),
         ({"size": 1 << 40}, r"size is not an integer in \[0, 1048576\]"),
         ({"kind": "pickle"}, "kind 'pickle' is not one of"),
-        ({"sha256": "zz"}, "sha256 is not 64 hex"),
+        ({"digest": "zz"}, "digest is not 64 hex"),
+        ({"hash": "md5"}, "hash 'md5' is not one of"),
+        ({"hash": None}, "hash 'None' is not one of"),
+        ({"hash": "blake2b"}, "digest is not the digest of its chunks' digests"),
         ({"chunk_bytes": 0}, "chunks do not cut"),
         ({"chunks": ["0" * 64] * 3}, "chunks do not cut"),
         ({"chunks": "x"}, "chunks is not a list"),
         ({"chunk_bytes": 1 << 30}, "chunk_bytes is not an integer"),
-        ({"sha256": "0" * 64}, "sha256 is not the digest of its chunk hashes"),
+        ({"digest": "0" * 64}, "digest is not the digest of its chunks' digests"),
     ],
 )
 def test_a_forged_manifest_is_refused_before_a_byte_is_asked_for(

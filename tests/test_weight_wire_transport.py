@@ -34,6 +34,7 @@ from creditrl.config import load_config
 from creditrl.config.schema import AsyncConfig
 from creditrl.errors import ConfigError
 from creditrl.weights import ChosenLater, WireChannel, WirePublisher
+from creditrl.weights.hashing import wire_hash
 from creditrl.weights.wire import WireError, encode_publication
 
 
@@ -249,7 +250,7 @@ def _first(forger: Forger, header: dict[str, Any], bad: list[bytes]) -> list[lis
 HOSTILE = {
     "a manifest for another version": (
         lambda f, h: _with_manifest(f, h, version=7), "version"),
-    "a forged manifest": (lambda f, h: _with_manifest(f, h, sha256="zz"), "manifest"),
+    "a forged manifest": (lambda f, h: _with_manifest(f, h, digest="zz"), "manifest"),
     "a manifest beyond the limits": (
         lambda f, h: _with_manifest(f, h, size=1 << 50), "manifest"),
     "a chunk failing its checksum": (
@@ -628,6 +629,9 @@ def test_a_resumed_learner_publishes_its_version_to_the_folder_and_the_wire(
         assert start_versions(cfg, channel, model, 5, said.append) == 5
         assert channel.newest() == 5 and channel.wire.newest() == 5
         assert said[0].startswith("learner: serving weights over the wire on tcp://127.0.0.1:")
+        name, why = wire_hash()
+        assert said[0].endswith(f"weight_channel=wire; chunks hashed with {name}: {why})")
+        assert channel.wire.hash == name
     finally:
         channel.close()
         channel.lock.release()

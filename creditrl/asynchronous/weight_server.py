@@ -70,6 +70,7 @@ from creditrl.weights import (
     WireLimits,
     WirePublisher,
 )
+from creditrl.weights.hashing import wire_hash
 from creditrl.weights.wire import REFUSALS, WireError
 
 __all__ = [
@@ -276,8 +277,10 @@ class LearnerChannel(FolderChannel):
             )
             return
         self.wire = self.server.publisher
+        hashed = f"{self.wire.hash}: {wire_hash()[1]}"
         say(f"learner: serving weights over the wire on {self.server.address} "
-            f"(asynchronous.weight_channel={a.weight_channel})", markup=False)  # fmt: skip
+            f"(asynchronous.weight_channel={a.weight_channel}; chunks hashed with {hashed})",
+            markup=False)  # fmt: skip
 
     def publish(self, model: Any, version: int, *, background: bool = False) -> None:
         super().publish(model, version, background=background)

@@ -5,9 +5,10 @@ dropped connection, never pickled.
 A publication (``publishable_state``: ``full``, ``merged`` or ``adapter`` tensors) is one
 safetensors buffer (``creditrl.weights.packing``: each tensor copied once, into place; tensors
 that share memory once, aliases in its metadata), cut into ``chunk_bytes`` pieces. Its
-``Manifest`` names the version, kind, total size, the SHA-256 of every chunk and the SHA-256 of
-those digests in order (the whole's: ``whole_digest``; the bytes are hashed once, chunk by
-chunk, and every chunk checked in place is the whole checked). Chunks are hashed on up to
+``Manifest`` names the version, kind, total size, its hash (``creditrl.weights.hashing``:
+SHA-256 or BLAKE2b-256, the faster on the learner's CPU), the digest of every chunk and the
+digest of those digests in order (the whole's: ``whole_digest``; the bytes are hashed once,
+chunk by chunk, and every chunk checked in place is the whole checked). Chunks are hashed on up to
 ``HASH_THREADS`` threads on both sides (hashlib lets go of the GIL while it hashes). The
 sampling side checks the manifest against its ``WireLimits`` and its whole digest before asking
 for a byte, and each chunk against its hash as it arrives (a bad one is dropped and asked for
@@ -33,7 +34,6 @@ checked: ``packing.unpack``), and copied once more, into the model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -52,6 +52,7 @@ import torch
 from creditrl.bounded_json import JsonLimits, loads_bounded
 from creditrl.weights.background import OneInFlight
 from creditrl.weights.channel import WeightChannel
+from creditrl.weights.hashing import HASHES, digest, wire_hash
 from creditrl.weights.packing import buffer, pack, unpack
 from creditrl.weights.tensors import apply_state, distinct_tensors, is_peft, publishable_state
 
@@ -84,12 +85,12 @@ REFUSALS = {
     "version": "a version other than the one asked for, or one the learner does not hold",
     "size": "a message larger than the limits allow, a chunk not of its manifest's size, or a "
     "publication too large to hold here",
-    "checksum": "a chunk or a whole publication whose SHA-256 differs from its manifest's, or "
+    "checksum": "a chunk or a whole publication whose digest differs from its manifest's, or "
     "a chunk in a mutable buffer",
     "payload": "a complete publication that is not safetensors, or whose tensors do not fit",
     "message": "an answer that does not decode (frames, header fields, types)",
 }
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 # threads that hash chunks (each side), and so chunks a sampler holds received but unchecked
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 _ALIAS_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=1, max_items=1_000_000)
@@ -117,15 +118,16 @@ class WireLimits:
 @dataclass(frozen=True)
 class Manifest:
     """One publication: ``version``, ``kind``, ``size`` bytes, the ``chunk_bytes`` and
-    per-chunk ``chunks`` SHA-256s it is cut into, and ``sha256``, the whole's
-    (``whole_digest(chunks)``)."""
+    per-chunk ``chunks`` digests it is cut into, ``digest``, the whole's
+    (``whole_digest(chunks, hash)``), and ``hash``, the one of ``hashing.HASHES`` they are."""
 
     version: int
     kind: str
     size: int
-    sha256: str
+    digest: str
     chunk_bytes: int
     chunks: tuple[str, ...]
+    hash: str
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest as JSON-able fields (what goes on the wire)."""
@@ -133,7 +135,8 @@ class Manifest:
             "version": self.version,
             "kind": self.kind,
             "size": self.size,
-            "sha256": self.sha256,
+            "hash": self.hash,
+            "digest": self.digest,
             "chunk_bytes": self.chunk_bytes,
             "chunks": list(self.chunks),
         }
@@ -148,11 +151,14 @@ class Manifest:
         version = _count(fields, "version", 1 << 62)
         size = _count(fields, "size", limits.max_bytes)
         chunk_bytes = _count(fields, "chunk_bytes", limits.max_chunk_bytes)
-        kind, digest, chunks = fields.get("kind"), fields.get("sha256"), fields.get("chunks")
+        kind, whole, chunks = fields.get("kind"), fields.get("digest"), fields.get("chunks")
+        name = fields.get("hash")
         if kind not in KINDS:
             raise WireError(f"weight manifest kind {str(kind)[:40]!r} is not one of {KINDS}")
-        if not isinstance(digest, str) or not _SHA256.match(digest):
-            raise WireError("weight manifest sha256 is not 64 hex digits")
+        if name not in HASHES:
+            raise WireError(f"weight manifest hash {str(name)[:40]!r} is not one of {HASHES}")
+        if not isinstance(whole, str) or not _DIGEST.match(whole):
+            raise WireError("weight manifest digest is not 64 hex digits")
         if not isinstance(chunks, list) or len(chunks) > limits.max_chunks:
             raise WireError(f"weight manifest chunks is not a list of <= {limits.max_chunks}")
         if chunk_bytes < 1 or len(chunks) != -(-size // chunk_bytes):
@@ -160,11 +166,11 @@ class Manifest:
                 f"weight manifest: {len(chunks)} chunks do not cut {size} bytes into "
                 f"{chunk_bytes}-byte pieces"
             )
-        if not all(isinstance(c, str) and _SHA256.match(c) for c in chunks):
-            raise WireError("weight manifest chunk hashes are not 64 hex digits each")
-        if whole_digest(chunks) != digest:
-            raise WireError("weight manifest sha256 is not the digest of its chunk hashes")
-        return cls(version, kind, size, digest, chunk_bytes, tuple(chunks))
+        if not all(isinstance(c, str) and _DIGEST.match(c) for c in chunks):
+            raise WireError("weight manifest chunk digests are not 64 hex digits each")
+        if whole_digest(chunks, name) != whole:
+            raise WireError("weight manifest digest is not the digest of its chunks' digests")
+        return cls(version, kind, size, whole, chunk_bytes, tuple(chunks), name)
 
 
 def _count(fields: dict[str, Any], key: str, most: int) -> int:
@@ -174,34 +180,35 @@ def _count(fields: dict[str, Any], key: str, most: int) -> int:
     return value
 
 
-def _sha(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def chunk_digests(data: bytes | bytearray | memoryview, chunk_bytes: int) -> tuple[str, ...]:
-    """The SHA-256 of each ``chunk_bytes`` piece of ``data`` in order, ``HASH_THREADS`` at a
-    time."""
+def chunk_digests(
+    data: bytes | bytearray | memoryview, chunk_bytes: int, name: str = "sha256"
+) -> tuple[str, ...]:
+    """The ``name`` digest (``hashing.digest``) of each ``chunk_bytes`` piece of ``data`` in
+    order, ``HASH_THREADS`` at a time."""
     view = memoryview(data).cast("B")
     pieces = [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
     if len(pieces) < 2 or HASH_THREADS == 1:
-        return tuple(_sha(piece) for piece in pieces)
+        return tuple(digest(piece, name) for piece in pieces)
     with ThreadPoolExecutor(min(HASH_THREADS, len(pieces)), "wire-hash") as pool:
-        return tuple(pool.map(_sha, pieces))
+        return tuple(pool.map(lambda piece: digest(piece, name), pieces))
 
 
-def whole_digest(chunks: list[str] | tuple[str, ...]) -> str:
-    """A publication's SHA-256: of its chunks' SHA-256 digests (32 bytes each), in order. With
-    every chunk matching its digest, the whole matches it: one pass over the bytes, not two."""
-    return _sha(b"".join(bytes.fromhex(c) for c in chunks))
+def whole_digest(chunks: list[str] | tuple[str, ...], name: str = "sha256") -> str:
+    """A publication's digest: ``name``'s of its chunks' digests (32 bytes each), in order.
+    With every chunk matching its digest, the whole matches it: one pass over the bytes."""
+    return digest(b"".join(bytes.fromhex(c) for c in chunks), name)
 
 
 def _packed(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> memoryview:
     return pack(tensors, {"aliases": json.dumps(aliases)}).toreadonly()
 
 
-def _manifest(kind: str, payload: memoryview, version: int, chunk_bytes: int) -> Manifest:
-    chunks = chunk_digests(payload, chunk_bytes)
-    return Manifest(int(version), kind, len(payload), whole_digest(chunks), chunk_bytes, chunks)
+def _manifest(
+    kind: str, payload: memoryview, version: int, chunk_bytes: int, name: str
+) -> Manifest:
+    chunks = chunk_digests(payload, chunk_bytes, name)
+    whole = whole_digest(chunks, name)
+    return Manifest(int(version), kind, len(payload), whole, chunk_bytes, chunks, name)
 
 
 def encode_publication(
@@ -211,16 +218,17 @@ def encode_publication(
     chunk_bytes: int = 8 << 20,
     *,
     aliases: dict[str, str] | None = None,
+    hash_name: str = "sha256",
 ) -> tuple[Manifest, memoryview]:
     """(manifest, payload): ``tensors`` as one safetensors buffer (shared tensors once, aliases
-    in the metadata; read-only) cut into ``chunk_bytes`` pieces. With ``aliases``, ``tensors``
-    are already ``distinct_tensors``'s."""
+    in the metadata; read-only) cut into ``chunk_bytes`` pieces hashed with ``hash_name``. With
+    ``aliases``, ``tensors`` are already ``distinct_tensors``'s."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if aliases is None:
         tensors, aliases = distinct_tensors(tensors)
     payload = _packed(tensors, aliases)
-    return _manifest(kind, payload, version, chunk_bytes), payload
+    return _manifest(kind, payload, version, chunk_bytes, hash_name), payload
 
 
 def decode_publication(payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -287,7 +295,8 @@ class WireAssembler:
         otherwise: it is asked for again. Thread-safe."""
         chunks = self.manifest.chunks
         ok = type(index) is int and 0 <= index < len(chunks) and _immutable(data)
-        if ok and len(data) == self.size(index) and _sha(data) == chunks[index]:
+        ok = ok and len(data) == self.size(index)
+        if ok and digest(data, self.manifest.hash) == chunks[index]:
             start = index * self.manifest.chunk_bytes
             self._buffer[start : start + len(data)] = data
             with self._lock:
@@ -360,11 +369,15 @@ def _answers(
 
 
 class WirePublisher:
-    """The learner's side: publications kept in memory, served by chunk under a rate limit."""
+    """The learner's side: publications kept in memory, served by chunk under a rate limit,
+    hashed with ``hash_name`` (None: ``hashing.wire_hash``'s choice for this CPU)."""
 
     def __init__(self, lora_sync: str = "merged", keep: int = 2, chunk_bytes: int = 8 << 20,
-                 rate_bytes: float = 0.0) -> None:  # fmt: skip
+                 rate_bytes: float = 0.0, hash_name: str | None = None) -> None:  # fmt: skip
         self.lora_sync, self.keep, self.chunk_bytes = lora_sync, max(int(keep), 1), chunk_bytes
+        self.hash = wire_hash()[0] if hash_name is None else hash_name
+        if self.hash not in HASHES:
+            raise ValueError(f"hash_name must be one of {HASHES}, got {hash_name!r}")
         self.rate = RateLimit(rate_bytes)
         self._held: OrderedDict[int, tuple[Manifest, bytes | memoryview]] = OrderedDict()
         self._lock = threading.Lock()
@@ -388,7 +401,7 @@ class WirePublisher:
         self._job.wait()
 
     def _hold(self, kind: str, payload: memoryview, version: int) -> Manifest:
-        manifest = _manifest(kind, payload, version, self.chunk_bytes)
+        manifest = _manifest(kind, payload, version, self.chunk_bytes, self.hash)
         with self._lock:
             self._held[manifest.version] = (manifest, payload)
             while len(self._held) > self.keep:
