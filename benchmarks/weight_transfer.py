@@ -50,13 +50,14 @@ from creditrl.weights.hashing import HASHES, wire_hash
 
 EXPLAINED = """\
 What the wire pays for: the version's safetensors bytes packed in memory (one copy), every byte
-hashed once on each side (SHA-256 per 8 MiB chunk, on up to 8 threads: at most the machine's
-cores), the bytes through loopback TCP (4 chunk requests in flight) and copied into place once
-on the sampler's side, then read as views and copied into the model; the folder's file is
-written once and read back from the page cache. SHA-256 dominates: it runs at a few hundred
-MB/s a core without SHA extensions. In a run the learner's half runs in a background thread
-(`publish(..., background=True)`: only the copy is in the step). Both sides run in one process,
-on the same cores."""
+hashed once on each side (per 8 MiB chunk, on up to 8 threads: at most the machine's cores;
+SHA-256 on a CPU with SHA extensions, else BLAKE2b-256, `creditrl.weights.hashing`), the bytes
+through loopback TCP (4 chunk requests in flight) and copied into place once on the sampler's
+side, then read as views and copied into the model; the folder's file is written once and read
+back from the page cache. Hashing dominates: without SHA extensions SHA-256 runs at about 380
+MB/s a core here and BLAKE2b at about 640. In a run the learner's half runs in a background
+thread (`publish(..., background=True)`: only the copy is in the step). Both sides run in one
+process, on the same cores."""
 
 
 def build_models(tiny: bool, lora: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
