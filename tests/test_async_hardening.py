@@ -511,7 +511,9 @@ def test_a_sampler_that_cannot_read_the_published_weights_says_so_and_exits(
         thread.join(timeout=10)
         learner.close()
     text = out.getvalue()
-    said = [line for line in text.splitlines() if "cannot be read" in line]
+    chose = [line for line in text.splitlines() if "weights from the folder" in line]
+    assert len(chose) == 1 and "weight_channel=wire on the learner and its samplers" in chose[0]
+    said = [line for line in text.splitlines() if "weights v3" in line]
     assert len(said) == 2, text
     assert said[0] == (
         f"sampler s0: the learner published weights v3, but they cannot be read here: "
