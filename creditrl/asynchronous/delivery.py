@@ -167,9 +167,14 @@ class Outbox:
         acked = {row.get("seq") for row in self.acknowledged() if isinstance(row, dict)}
         for seq in pending:
             if seq in acked:
-                doomed = self.groups / f".acked-{seq:010d}"
-                os.replace(self._path(seq), doomed)
-                shutil.rmtree(doomed)
+                self._drop(seq)
+
+    def _drop(self, seq: int) -> None:
+        """Take group ``seq`` out of ``pending`` by one atomic rename, then delete its files
+        (a kill in between leaves a dot-folder, removed at the next opening)."""
+        doomed = self.groups / f".acked-{seq:010d}"
+        os.replace(self._path(seq), doomed)
+        shutil.rmtree(doomed)
 
     def _path(self, seq: int) -> Path:
         return self.groups / f"{seq:010d}"
@@ -199,9 +204,7 @@ class Outbox:
         if not path.exists():
             return False
         _append_lines(self.acks_path, [{"seq": seq, "status": status}])
-        doomed = self.groups / f".acked-{seq:010d}"
-        os.replace(path, doomed)
-        shutil.rmtree(doomed)
+        self._drop(seq)
         return True
 
     def skip_to(self, seq: int) -> bool:

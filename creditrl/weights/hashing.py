@@ -12,6 +12,7 @@ any other name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -30,10 +31,11 @@ def digest(data: bytes | bytearray | memoryview, name: str) -> str:
     raise ValueError(f"unknown weight hash {name!r}: one of {HASHES}")
 
 
+@functools.cache
 def wire_hash(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str, str]:
     """(hash, why): ``sha256`` where the CPU flags include ``sha_ni``, else ``blake2b``; ``why``
     is the reason in words, for the start-up line. An unreadable ``cpuinfo`` counts as no
-    SHA extensions."""
+    SHA extensions. Read once per path."""
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:
